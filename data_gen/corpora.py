@@ -215,13 +215,19 @@ def load_glaive(source: str, split: str, log: RejectLog, limit: int | None = Non
     for row_index, row in enumerate(ds):
         if limit is not None and len(out) >= limit:
             break
-        text = row.get("sample") or f"SYSTEM: {row.get('system', '')}\n{row.get('chat', '')}"
+        text = row.get("sample") or _v2_text(row.get("system") or "", row.get("chat") or "")
         rid = f"glaive_{row_index}"
         try:
             out += _glaive_requests(text, rid)
         except InvalidRequest as e:
             log.add(f"glaive:{source}", row_index + 1, rid, str(e))
     return out
+
+
+def _v2_text(system: str, chat: str) -> str:
+    """Glaive v2 splits a conversation into `system` (already "SYSTEM: ..."-prefixed) and `chat`."""
+    system = system.strip()
+    return f"{system if system.startswith('SYSTEM:') else 'SYSTEM: ' + system}\n{chat}"
 
 
 def _glaive_requests(text: str, conversation_id: str) -> list[ToolRequest]:

@@ -1,0 +1,80 @@
+"""Config composition: every option of every group composes into the dataclass schema,
+and a wrong key or value fails naming it."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from schemafill.config import PipelineConfig, to_dataclass
+from tests.conftest import CONF, compose
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_of_every_group_composes(group, option):
+    cfg = to_dataclass(compose([f"{group}={option}"]))
+    assert isinstance(cfg, PipelineConfig)
+    assert getattr(cfg, group) is not None
+
+
+def test_groups_are_the_documented_ones():
+    assert set(GROUPS) >= {"model", "data", "drafter", "decode", "train", "logger"}
+    assert set(options("model")) == {"smollm2-135m", "qwen2.5-7b", "qwen3-8b", "mistral-7b", "hermes3-8b"}
+
+
+@pytest.mark.parametrize("model,layers", [("qwen2.5-7b", [2, 14, 25]), ("qwen3-8b", [2, 18, 33]),
+                                          ("mistral-7b", [2, 16, 29]), ("hermes3-8b", [2, 16, 29]),
+                                          ("smollm2-135m", [2, 15, 27])])
+def test_aux_layer_ids_follow_the_paper(model, layers):
+    assert to_dataclass(compose([f"model={model}"])).model.aux_layer_ids == layers
+
+
+def test_default_target_is_the_builtin_one():
+    cfg = to_dataclass(compose())
+    assert cfg.model.name == "smollm2-135m" and cfg.model.finetune
+    assert cfg.paths.artifacts == "artifacts"
+
+
+def test_misspelt_key_names_the_key():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["model.dtyp=bfloat16"])
+    assert "dtyp" in str(err.value.__cause__ or err.value)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["decode.topk=many"])
+    assert "topk" in str(err.value.__cause__ or err.value)
+
+
+def test_unknown_stage_is_rejected():
+    with pytest.raises(ValueError, match="unknown stage"):
+        to_dataclass(compose(["stages=[requests,bogus]"]))
+
+
+def test_library_code_gets_dataclasses_not_dictconfig():
+    cfg = to_dataclass(compose(["model=qwen3-8b"]))
+    assert type(cfg.model).__name__ == "ModelConfig"
+    assert cfg.model.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_misspelt_key_in_a_yaml_file_names_the_key(tmp_path):
+    import shutil
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "model" / "typo.yaml").write_text(
+        (CONF / "model" / "qwen2.5-7b.yaml").read_text().replace("prompt_style:", "prompt_styel:"))
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as err:
+            hydra_compose(config_name="config", overrides=["model=typo"])
+    assert "prompt_styel" in str(err.value.__cause__ or err.value)

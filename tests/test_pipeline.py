@@ -1,0 +1,97 @@
+"""The pipeline entry point: stage `requests` end to end, caching, atomic writes, bad
+input, unimplemented stages, and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schemafill import atomic
+from schemafill.toolcall import InvalidRequest
+from tests.conftest import ROOT
+from train.run import run
+
+
+def test_requests_stage_writes_eval_and_training_sets(make_cfg):
+    cfg = make_cfg("stages=[requests]")
+    result = run(cfg)
+    out = Path(cfg.paths.artifacts) / "requests"
+    bfcl450 = [json.loads(line) for line in (out / "bfcl450.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(bfcl450) == 450 and len(train) >= 2000
+    assert not {r["id"] for r in bfcl450} & {r["id"] for r in train}
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["eval"] == {"bfcl450": 450} and stats["train"] == len(train)
+    assert result["stages"]["requests"]["cached"] is False and "requests" in result["seconds"]
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert len(rejected) == stats["rejected"] and rejected[0]["reason"] == "no tools"
+
+    # unchanged inputs: a no-op; changed data config: rebuilt
+    assert run(cfg)["stages"]["requests"]["cached"] is True
+    assert run(make_cfg("stages=[requests]", "data.seed=1"))["stages"]["requests"]["cached"] is False
+
+
+def test_users_own_requests_join_the_pool_and_bad_lines_are_reported(make_cfg, tmp_path):
+    good = {"id": "mine_1", "messages": [{"role": "user", "content": "Book a table for two at Nopa tonight"}],
+            "tools": [{"type": "function", "function": {"name": "book", "parameters": {
+                "type": "object", "properties": {"place": {"type": "string"}}}}}]}
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(good) + "\n{oops\n" + json.dumps({**good, "id": "mine_2", "tools": "book"}) + "\n")
+    cfg = make_cfg("stages=[requests]", f"data.extra_requests=[{path}]")
+    run(cfg)
+    out = Path(cfg.paths.artifacts) / "requests"
+    assert "mine_1" in (out / "train.jsonl").read_text()
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    mine = [(r["line"], r["id"]) for r in rejected if r["source"] == str(path)]
+    assert mine == [(2, None), (3, "mine_2")]
+    with pytest.raises(InvalidRequest, match="strict mode"):
+        run(make_cfg("stages=[requests]", f"data.extra_requests=[{path}]", "data.strict=true"))
+
+
+def test_unimplemented_stage_fails_before_doing_anything(make_cfg):
+    cfg = make_cfg("stages=[requests,head]")
+    with pytest.raises(NotImplementedError, match="'head'"):
+        run(cfg)
+    assert not Path(cfg.paths.artifacts).exists()
+
+
+def test_interrupted_atomic_write_keeps_the_old_file(tmp_path):
+    target = tmp_path / "stats.json"
+    atomic.write_json(target, {"v": 1})
+    with pytest.raises(RuntimeError):
+        with atomic.atomic_path(target) as tmp:
+            tmp.write_text('{"v": 2, "half')
+            raise RuntimeError("killed")
+    assert json.loads(target.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temp left behind
+
+
+def test_command_line(tmp_path):
+    art = tmp_path / "art"
+    ok = subprocess.run([sys.executable, "train/run.py", "stages=[requests]", f"paths.artifacts={art}", "logger=none"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "bfcl450=450" in ok.stdout and (art / "requests" / "bfcl450.jsonl").exists()
+    bad = subprocess.run([sys.executable, "train/run.py", "model.dtyp=bf16", "logger=none"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "Key 'dtyp' not in 'ModelConfig'" in bad.stderr
+    standalone = subprocess.run([sys.executable, "data_gen/run.py", "stages=[requests]", f"paths.artifacts={art}",
+                                 "logger=none"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert standalone.returncode == 0 and "up to date" in standalone.stdout
+    helped = subprocess.run([sys.executable, "train/run.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert "model: hermes3-8b, mistral-7b, qwen2.5-7b, qwen3-8b, smollm2-135m" in helped.stdout
+
+
+def test_pipeline_run_is_tracked_with_wandb_offline(make_cfg, tmp_path):
+    cfg = make_cfg("stages=[requests]", "logger=wandb", "logger.mode=offline", f"logger.dir={tmp_path}")
+    run(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    # offline runs keep config, history and summary in the run's protobuf log until `wandb sync`
+    record = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"smollm2-135m" in record and b"git_sha" in record and b"requests/train" in record

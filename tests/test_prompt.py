@@ -1,0 +1,56 @@
+"""Prompt rendering: plain-text task prompt and the native chat-template path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from schemafill.prompt import chat_messages, render_prompt
+from schemafill.toolcall import ToolRequest
+
+REQ = ToolRequest.from_dict({
+    "id": "r", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": '{"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]}'},
+        {"role": "tool", "content": '{"temp": 21}'},
+        {"role": "user", "content": "And in Rome?"}],
+    "tools": [{"type": "function", "function": {"name": "weather", "description": "Current weather.",
+               "parameters": {"type": "dict", "properties": {"city": {"type": "string"}}}}}],
+})
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_plain_prompt_has_catalog_format_and_conversation_in_order():
+    text = render_prompt(REQ, "plain")
+    catalog_line = json.dumps(REQ.functions[0], ensure_ascii=False)
+    assert catalog_line in text and '"type": "object"' in catalog_line  # normalised schema shown
+    order = [text.index(s) for s in (catalog_line, '{"tool_calls": [{"name": "<tool name>"', "User: Weather in Paris?",
+                                      "Tool result: {\"temp\": 21}", "User: And in Rome?")]
+    assert order == sorted(order)
+    assert text.endswith("\n\nResponse:\n")
+
+
+def test_chat_prompt_uses_the_tokenizers_template():
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.chat_template = CHATML
+    text = render_prompt(REQ, "chat", tok)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou are a function-calling assistant")
+    assert text.endswith("<|im_start|>user\nTool result: {\"temp\": 21}\n\nAnd in Rome?<|im_end|>\n<|im_start|>assistant\n")
+    # tool results become user turns, merged with the following user turn: roles alternate
+    roles = [m["role"] for m in chat_messages(REQ)]
+    assert roles == ["system", "user", "assistant", "user"]
+
+
+def test_chat_style_without_template_is_a_clear_error():
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    with pytest.raises(ValueError, match="prompt_style=plain"):
+        render_prompt(REQ, "chat", tok)
+    with pytest.raises(ValueError, match="unknown prompt style"):
+        render_prompt(REQ, "markdown")

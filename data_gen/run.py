@@ -1,5 +1,6 @@
-"""Data stages. ``python data_gen/run.py [stages=[requests]] [data=...]`` runs them alone;
-``train/run.py`` runs them as part of the pipeline.
+"""Data stages. ``python data_gen/run.py stages=[requests,continuations] [data=...]`` runs
+them alone (``accelerate launch --num_processes N data_gen/run.py stages=[continuations]``
+spreads generation over N processes); ``train/run.py`` runs them as part of the pipeline.
 
 Stage ``requests``: BFCL v3 (every category), Glaive when ``data.glaive`` is set, and the
 user's own JSONL files → ``artifacts/requests/{bfcl450,glaive650,train}.jsonl`` plus
@@ -14,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from data_gen.corpora import bfcl_categories, bfcl_data_dir, load_bfcl, load_glaive
+from data_gen.generate import build_continuations
 from data_gen.splits import make_splits
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
@@ -87,7 +89,7 @@ def _file_stamp(path: str) -> list:
     return [str(p.resolve()), p.stat().st_mtime_ns, p.stat().st_size] if p.exists() else [str(p), None]
 
 
-STAGES = {"requests": build_requests}
+STAGES = {"requests": build_requests, "continuations": build_continuations}
 
 
 def run(cfg: PipelineConfig, tracker: Tracker | None = None) -> dict:

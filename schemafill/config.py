@@ -32,6 +32,17 @@ class ModelConfig:
 
 
 @dataclass
+class ContinuationsConfig:
+    """The target's own responses to the training pool (stage `continuations`)."""
+
+    batch_size: int = 8  # requests per left-padded generation batch
+    shard_size: int = 64  # requests per resumable shard
+    compositions: float = 0.25  # multi-call compositions added, as a share of the pool size
+    max_requests: int = 0  # use only the first N training requests (0 = all)
+    max_prompt_tokens: int = 0  # skip (and count) longer prompts; 0 = only the context limit applies
+
+
+@dataclass
 class DataConfig:
     bfcl_dir: str | None = None  # default: the data folder of the installed nvidia-bfcl wheel
     glaive: str | None = None  # hub id or local path of Glaive function calling; null = not used
@@ -41,6 +52,7 @@ class DataConfig:
     extra_requests: list[str] = field(default_factory=list)  # users' own ToolRequest JSONL files → training pool
     strict: bool = False  # a malformed record is fatal instead of reported and skipped
     seed: int = 0
+    continuations: ContinuationsConfig = field(default_factory=ContinuationsConfig)
 
 
 @dataclass
@@ -69,14 +81,20 @@ class DecodeConfig:
 class TargetTrainConfig:
     """Fine-tuning the built-in target into a tool caller (stage `target`)."""
 
-    max_minutes: float = 8.0
+    max_minutes: float = 18.0  # wall-time budget of the fine-tune
     max_steps: int = 2000
-    lr: float = 1e-4
-    batch_size: int = 8
-    max_seq_len: int = 1024
-    compositions: float = 0.5  # multi-call compositions per plain request
+    lr: float = 2e-4
+    warmup_steps: int = 5
+    batch_tokens: int = 4096  # padded tokens per batch (sequences per batch follow from their length)
+    max_seq_len: int = 1024  # longer examples are skipped and counted, never truncated
+    compositions: float = 1.0  # multi-call compositions per referenced request
+    call_mix: list[float] = field(default_factory=lambda: [0.15, 0.25, 0.3, 0.3])  # shares of 1, 2, 3, 4+ calls
+    compose_max_catalog: int = 2  # compose only requests with at most this many tools
     freeze_embeddings: bool = True
+    trainable_layers: int = 0  # train only the top N decoder layers (0 = all)
     bf16_autocast_cpu: bool = True
+    quality_requests: int = 90  # BFCL450 requests (stratified by category) decoded for quality.json; 0 = all
+    quality_batch_size: int = 8
 
 
 @dataclass
@@ -117,7 +135,7 @@ class PathsConfig:
 
 @dataclass
 class PipelineConfig:
-    stages: list[str] = field(default_factory=lambda: ["requests"])
+    stages: list[str] = field(default_factory=lambda: ["requests", "target"])
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

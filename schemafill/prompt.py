@@ -8,9 +8,10 @@ method of every stage renders prompts here, so all decoders see identical prompt
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from schemafill.toolcall import ToolRequest, dumps
+from schemafill.toolcall import ToolRequest
 
 PROMPT_STYLES = ("plain", "chat")
 
@@ -31,7 +32,8 @@ _SPEAKERS = {"system": "System", "user": "User", "assistant": "Assistant", "tool
 
 
 def render_catalog(request: ToolRequest) -> str:
-    return "\n".join(dumps(fn) for fn in request.functions)
+    # compact separators: catalogs are most of a prompt's tokens, and prompt length is prefill time
+    return "\n".join(json.dumps(fn, ensure_ascii=False, separators=(",", ":")) for fn in request.functions)
 
 
 def system_text(request: ToolRequest) -> str:
@@ -66,18 +68,31 @@ def chat_messages(request: ToolRequest) -> list[dict]:
     return [{"role": "system", "content": system}, *merged]
 
 
-def render_chat(request: ToolRequest, tokenizer: Any) -> str:
+def render_chat(request: ToolRequest, tokenizer: Any, template_kwargs: dict | None = None) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             "prompt_style=chat needs a tokenizer with a chat template; "
             "this one has none (use model.prompt_style=plain)"
         )
-    return tokenizer.apply_chat_template(chat_messages(request), tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(chat_messages(request), tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
 
 
-def render_prompt(request: ToolRequest, style: str, tokenizer: Any = None) -> str:
+def render_prompt(request: ToolRequest, style: str, tokenizer: Any = None, template_kwargs: dict | None = None) -> str:
     if style == "plain":
         return render_plain(request)
     if style == "chat":
-        return render_chat(request, tokenizer)
+        return render_chat(request, tokenizer, template_kwargs)
     raise ValueError(f"unknown prompt style {style!r}; expected one of {PROMPT_STYLES}")
+
+
+def prompt_ids(request: ToolRequest, style: str, tokenizer: Any, template_kwargs: dict | None = None) -> list[int]:
+    """Prompt token ids. A chat template writes its own BOS text; a plain prompt gets the
+    tokenizer's usual special tokens (e.g. Llama 3's BOS; none for SmolLM2)."""
+    text = render_prompt(request, style, tokenizer, template_kwargs)
+    return tokenizer(text, add_special_tokens=style == "plain").input_ids
+
+
+def response_ids(text: str, tokenizer: Any) -> list[int]:
+    """Token ids of response text as the target would write it: no special tokens."""
+    return tokenizer(text, add_special_tokens=False).input_ids

@@ -39,3 +39,36 @@ def make_cfg(tmp_path):
         return to_dataclass(compose(base + list(overrides)))
 
     return _make
+
+
+@pytest.fixture(scope="session")
+def builtin_artifacts(tmp_path_factory):
+    """A session artifacts folder holding the requests and the converted built-in base model."""
+    from schemafill.config import to_dataclass
+    from train.run import run
+    from train.target import convert_gguf, locate_gguf
+
+    root = tmp_path_factory.mktemp("builtin") / "artifacts"
+    cfg = to_dataclass(compose([f"paths.artifacts={root}", "logger=none", "stages=[requests]"]))
+    run(cfg)
+    convert_gguf(locate_gguf(cfg.model.source, cfg.model.gguf_file), root / "targets" / f"{cfg.model.name}-base")
+    return root
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(builtin_artifacts):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(builtin_artifacts / "targets" / "smollm2-135m-base")
+
+
+def tiny_llama(vocab_size: int = 49152, seed: int = 0, **overrides):
+    """A random-init Llama small enough for unit tests, with the built-in target's vocabulary."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, **overrides)
+    return LlamaForCausalLM(config).eval()

@@ -28,8 +28,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def test_plain_prompt_has_catalog_format_and_conversation_in_order():
     text = render_prompt(REQ, "plain")
-    catalog_line = json.dumps(REQ.functions[0], ensure_ascii=False)
-    assert catalog_line in text and '"type": "object"' in catalog_line  # normalised schema shown
+    catalog_line = json.dumps(REQ.functions[0], ensure_ascii=False, separators=(",", ":"))
+    assert catalog_line in text and '"type":"object"' in catalog_line  # normalised schema shown
     order = [text.index(s) for s in (catalog_line, '{"tool_calls": [{"name": "<tool name>"', "User: Weather in Paris?",
                                       "Tool result: {\"temp\": 21}", "User: And in Rome?")]
     assert order == sorted(order)

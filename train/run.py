@@ -16,13 +16,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from data_gen.run import build_requests
+from data_gen.run import build_continuations, build_requests
+from train.target import build_target
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
 from schemafill.tracking import start_run
 
 # Stage name → runner(cfg, tracker) -> dict. Stages not here yet fail loudly, naming the issue.
-RUNNERS = {"requests": build_requests}
-PLANNED = {"target": "#3", "continuations": "#4", "head": "#5", "eval": "#8"}
+RUNNERS = {"requests": build_requests, "target": build_target, "continuations": build_continuations}
+PLANNED = {"head": "#5", "eval": "#8"}
 
 
 def check_stages(stages: list[str]) -> None:

@@ -1,0 +1,182 @@
+"""Stage `continuations`: the target's own greedy responses to the training pool.
+
+An EAGLE-3 head learns to predict *its target's* next tokens, so it trains on what the
+target writes, not on the corpus' answers. Every training request (plus fresh multi-call
+compositions, so the head sees multi-call responses like the evaluation sets') is
+rendered in the target's prompt format and answered greedily under the shared stopping
+rule, in left-padded batches.
+
+Resumable and scalable by construction: requests are cut into fixed shards (their
+content depends only on the request list), each shard is written atomically when done,
+finished shards are skipped on a rerun, and under ``accelerate launch --num_processes N``
+process i takes shards i, i+N, ... . The main process merges the shards once into a
+``datasets`` dataset with columns ``id, input_ids, loss_mask, prompt_len, response_text``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from schemafill import atomic
+from schemafill.compose import compositions
+from schemafill.config import PipelineConfig, to_dict
+from schemafill.device import resolve_device, resolve_dtype
+from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
+from schemafill.generate import generate
+from schemafill.models import load_model, load_tokenizer, target_location
+from schemafill.prompt import prompt_ids
+from schemafill.records import read_requests
+from schemafill.toolcall import ToolRequest, parse_response
+
+OUTPUTS = ["dataset_info.json", "stats.json"]
+
+
+def continuations_dir(cfg: PipelineConfig) -> Path:
+    return Path(cfg.paths.artifacts) / "continuations" / cfg.model.name
+
+
+def pool(cfg: PipelineConfig) -> list[ToolRequest]:
+    """Training requests plus multi-call compositions (drawn with a seed of their own)."""
+    train_file = Path(cfg.paths.artifacts) / "requests" / "train.jsonl"
+    if not train_file.is_file():
+        raise FileNotFoundError(f"{train_file} missing: run the `requests` stage first")
+    requests, _ = read_requests(train_file)
+    gen = cfg.data.continuations
+    if gen.max_requests > 0:
+        requests = requests[: gen.max_requests]
+    referenced = [r for r in requests if r.reference]
+    # a different seed from the target's fine-tune: fresh draws, not the SFT compositions again
+    composed = compositions(referenced, int(len(requests) * gen.compositions), seed=cfg.seed + 1000,
+                            prefix="cont_composed")
+    return requests + composed
+
+
+def shard_plan(n: int, shard_size: int) -> list[range]:
+    return [range(i, min(i + shard_size, n)) for i in range(0, n, shard_size)]
+
+
+def generate_shard(model: Any, tokenizer: Any, requests: list[ToolRequest], cfg: PipelineConfig,
+                   bar: tqdm) -> tuple[list[dict], list[dict]]:
+    """Rows for the requests that fit the context, and a skip record for those that don't."""
+    gen = cfg.data.continuations
+    rows, skipped, prompts, kept = [], [], [], []
+    for r in requests:
+        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
+        if len(ids) + cfg.decode.max_new_tokens > cfg.model.max_context:
+            skipped.append({"id": r.id, "reason": "prompt + response cap exceed model.max_context"})
+        elif gen.max_prompt_tokens and len(ids) > gen.max_prompt_tokens:
+            skipped.append({"id": r.id, "reason": "prompt longer than data.continuations.max_prompt_tokens"})
+        else:
+            kept.append(r)
+            prompts.append(ids)
+
+    def progress(idx: list[int], gens: list) -> None:
+        bar.update(len(idx))
+        bar.set_postfix(new_tokens=sum(len(g.ids) for g in gens))
+
+    gens = generate(model, tokenizer, prompts, cfg.decode.max_new_tokens, gen.batch_size, on_batch=progress)
+    for r, ids, g in zip(kept, prompts, gens):
+        rows.append({"id": r.id, "input_ids": ids + g.ids, "loss_mask": [0] * len(ids) + [1] * len(g.ids),
+                     "prompt_len": len(ids), "response_text": g.text, "stop": g.stop,
+                     "composed": r.source == "composed"})
+    return rows, skipped
+
+
+def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
+    from accelerate import PartialState
+
+    state = PartialState()
+    out = continuations_dir(cfg)
+    requests = pool(cfg)
+    location = target_location(cfg.model, cfg.paths.artifacts)
+    target_fp = (read_manifest(location) or {}).get("fingerprint", location)
+    fp = fingerprint({"model": to_dict(cfg.model), "target": target_fp, "gen": to_dict(cfg.data.continuations),
+                      "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
+                      "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 1})
+    if is_fresh(out, fp, OUTPUTS):
+        stats = json.loads((out / "stats.json").read_text())
+        if state.is_main_process:
+            print(f"[continuations] up to date in {out} (fingerprint {fp}): {stats['rows']} rows")
+        return {**stats, "cached": True}
+
+    work = out.parent / f".{out.name}.shards" / fp  # keyed by fingerprint: a changed input never mixes in
+    work.mkdir(parents=True, exist_ok=True)
+    plan = shard_plan(len(requests), cfg.data.continuations.shard_size)
+    mine = [i for i in range(len(plan)) if i % state.num_processes == state.process_index]
+    todo = [i for i in mine if not (work / f"shard_{i:05d}.jsonl").exists()]
+    reused = sum((work / f"shard_{i:05d}.jsonl").exists() for i in range(len(plan)))
+    if state.is_main_process:
+        print(f"[continuations] {len(requests)} requests in {len(plan)} shards ({reused} done before), "
+              f"{state.num_processes} process(es)")
+    state.wait_for_everyone()  # everyone counted finished shards before anyone writes new ones
+    t0 = time.perf_counter()
+    if todo:
+        device = resolve_device() if state.device.type == "cpu" else state.device
+        tokenizer = load_tokenizer(location, cfg.model.revision)
+        model = load_model(location, resolve_dtype(cfg.model.dtype, device), device, cfg.model.revision)
+        bar = tqdm(total=sum(len(plan[i]) for i in todo), desc=f"continuations[{state.process_index}]",
+                   unit="req", dynamic_ncols=True, position=state.process_index)
+        for i in todo:
+            t_shard = time.perf_counter()
+            rows, skipped = generate_shard(model, tokenizer, [requests[j] for j in plan[i]], cfg, bar)
+            seconds = time.perf_counter() - t_shard
+            atomic.write_jsonl(work / f"shard_{i:05d}.jsonl",
+                               [{"_meta": {"skipped": skipped, "seconds": seconds}}] + rows)
+        bar.close()
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return {"process": state.process_index, "shards": len(todo)}
+    stats = merge(work, plan, out, time.perf_counter() - t0, fp)
+    stats["shards"], stats["shards_reused"] = len(plan), reused
+    atomic.write_json(out / "stats.json", stats)
+    shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
+    print(f"[continuations] wrote {out}: {json.dumps({k: stats[k] for k in ('rows', 'valid_json_rate', 'tokens_per_s', 'empty_rate', 'composed_share')})}")
+    if tracker is not None:
+        tracker.summary({f"continuations/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+    return {**stats, "cached": False}
+
+
+def merge(work: Path, plan: list[range], out: Path, wall: float, fp: str) -> dict:
+    """All shards → one dataset (atomically) and its statistics."""
+    import datasets
+
+    rows, skipped, gen_seconds = [], [], 0.0
+    for i in range(len(plan)):
+        lines = (work / f"shard_{i:05d}.jsonl").read_text().splitlines()
+        meta = json.loads(lines[0])["_meta"]
+        skipped += meta["skipped"]
+        gen_seconds += meta["seconds"]
+        rows += [json.loads(line) for line in lines[1:]]
+    n = max(len(rows), 1)
+    response_tokens = sum(sum(r["loss_mask"]) for r in rows)
+    reasons: dict[str, int] = {}
+    for s in skipped:
+        reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
+    stats = {
+        "rows": len(rows),
+        "requests": sum(len(p) for p in plan),
+        "mean_prompt_tokens": sum(r["prompt_len"] for r in rows) / n,
+        "mean_response_tokens": response_tokens / n,
+        "valid_json_rate": sum(parse_response(r["response_text"].strip()) is not None for r in rows) / n,
+        "empty_rate": sum(not r["response_text"].strip() for r in rows) / n,
+        "composed_share": sum(r["composed"] for r in rows) / n,
+        "stops": {s: sum(r["stop"] == s for r in rows) for s in ("closed", "eos", "length")},
+        "skipped": len(skipped),
+        "skipped_by_reason": reasons,
+        "generation_seconds": round(gen_seconds, 1),  # summed over processes
+        "tokens_per_s": round(response_tokens / max(gen_seconds, 1e-9), 1),
+        "seconds": round(wall, 1),
+    }
+    columns = ("id", "input_ids", "loss_mask", "prompt_len", "response_text")
+    ds = datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in columns})
+    with atomic.atomic_path(out) as tmp:
+        ds.save_to_disk(str(tmp))
+        atomic.write_json(tmp / "stats.json", stats)
+        write_manifest(tmp, fp, stage="continuations")
+    return stats

@@ -1,0 +1,236 @@
+"""The EAGLE-3 draft head: what it is, its reduced vocabulary, and its on-disk format.
+
+Architecture (EAGLE-3; vLLM/SGLang ``LlamaForCausalLMEagle3``): ``fc`` fuses three target
+hidden states (3·H_target → H); one decoder layer ``midlayer`` whose attention reads
+``[input_layernorm(token embedding); hidden_norm(hidden)]`` (2·H) with the hidden as the
+residual; final ``norm``; ``lm_head`` over a reduced draft vocabulary. Token embeddings are
+the target's, frozen and never exported. ``d2t[i]`` is the offset from draft id i to its
+target id; ``t2d`` marks target ids that exist in the draft vocabulary.
+
+Training-time test (``ttt_forward``): step 0 pairs token x[t+1] with the fused target
+feature at t; step k pairs x[t+1+k] with the head's own step-(k-1) output at t, at
+position t+k. A query at step k sees step-0 keys causally and, of steps 1..k, only its own
+position (the diagonal) — exactly what it would see when drafting k tokens ahead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from schemafill.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+
+AUX_CONVENTION = "hf_hidden_states_index"  # id i = HF hidden_states[i] = the input of decoder layer i
+
+
+@dataclass
+class HeadConfig:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    aux_layer_ids: list[int] = field(default_factory=list)
+    rope_scaling: dict | None = None
+    num_hidden_layers: int = 1
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> "HeadConfig":
+        """A head shaped like one decoder layer of the target."""
+        t = target_config
+        rope = getattr(t, "rope_parameters", None) or getattr(t, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        return cls(
+            hidden_size=t.hidden_size, target_hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+            num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+            head_dim=head_dim, rms_norm_eps=t.rms_norm_eps, vocab_size=t.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, t.vocab_size),
+            max_position_embeddings=t.max_position_embeddings, rope_theta=float(theta),
+            aux_layer_ids=list(aux_layer_ids), rope_scaling=scaling,
+        )
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, c: HeadConfig) -> None:
+        super().__init__()
+        h = c.hidden_size
+        self.c = c
+        self.input_layernorm = RMSNorm(h, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * h, c.num_attention_heads * c.head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * h, c.num_key_value_heads * c.head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * h, c.num_key_value_heads * c.head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, h, bias=False)
+        self.mlp = MLP(h, c.intermediate_size)
+
+    def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q and k, and v, for new tokens. emb, hidden: [B, T, H]."""
+        b, t, _ = emb.shape
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        a = self.self_attn
+        q = a.q_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)  # [B, Hq, T, hd]
+        k = a.k_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = a.v_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual on the hidden input, MLP. attn: [B, Hq, T, hd]."""
+        b, _, t, _ = attn.shape
+        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, c: HeadConfig, embed_tokens: nn.Embedding, inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.config = c
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.embed_tokens = embed_tokens
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = Rotary(inv_freq, attention_scaling)
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary (target ids, in draft-id order)."""
+        d2t, t2d = vocab_maps(draft_ids, self.config.vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:  # [Vd] target id of each draft id
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., Vd]
+        return self.lm_head(self.norm(out))
+
+    def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
+                    horizons: int) -> list[torch.Tensor]:
+        """Training-time test over ``horizons`` steps; returns draft logits per step.
+
+        input_ids: [B, T] target tokens x; aux: [B, T, 3·Ht] target features at each
+        position; valid: [B, T] real (non-pad) tokens, right-padded. Step k's logits at t
+        predict x[t+2+k].
+        """
+        b, t = input_ids.shape
+        dtype = aux.dtype
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        hidden = self.fc(aux)  # [B, T, H]
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        step0 = causal[None] & valid[:, None, :]  # [B, T, T]
+        diag = torch.eye(t, dtype=torch.bool, device=input_ids.device).expand(b, t, t)
+        keys, values, out_logits = [], [], []
+        for k in range(horizons):
+            ids = torch.roll(input_ids, shifts=-(1 + k), dims=1)  # x[t+1+k] (wrapped tail is masked by callers)
+            cos, sin = self.rotary(positions + k, dtype)
+            q, kk, vv = self.midlayer.qkv(self.embed_tokens(ids).to(dtype), hidden, cos, sin)
+            keys.append(kk)
+            values.append(vv)
+            visible = torch.cat([step0] + [diag] * k, dim=-1)  # [B, T, T*(k+1)]
+            attn = attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), visible)
+            hidden = self.midlayer.finish(hidden, attn)
+            out_logits.append(self.logits(hidden))
+        return out_logits
+
+
+def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d2t`` offsets and ``t2d`` mask for a sorted list of target ids."""
+    draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
+    d2t = draft_ids - torch.arange(len(draft_ids))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d
+
+
+def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: list[int] | None = None) -> torch.Tensor:
+    """The ``size`` most frequent target ids (ties: lower id first), sorted ascending.
+
+    ``always`` (e.g. EOS) is included whatever its count.
+    """
+    counts = counts.clone().double()
+    for i in always or []:
+        counts[i] = float("inf")
+    order = sorted(range(len(counts)), key=lambda i: (-counts[i].item(), i))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+# ------------------------------------------------------------------------- export
+EXPORT_PREFIXES = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
+
+
+def export_config(c: HeadConfig) -> dict:
+    """``config.json`` in the layout vLLM and SGLang read for ``LlamaForCausalLMEagle3``."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.target_hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": c.num_hidden_layers,
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+            "aux_hidden_state_layer_ids_convention": AUX_CONVENTION,
+            "note": "id i is the input of target decoder layer i (HF hidden_states[i]); "
+                    "SGLang/SpecForge count one lower (the output of layer i-1)",
+        },
+        "schemafill_head_config": asdict(c),
+    }
+
+
+def save_head(head: Eagle3Head, folder: str | Path) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (no embeddings) into ``folder``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k.startswith(EXPORT_PREFIXES)}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(export_config(head.config), indent=2) + "\n")
+
+
+def load_head(folder: str | Path, embed_tokens: nn.Embedding, inv_freq: torch.Tensor,
+              attention_scaling: float = 1.0) -> Eagle3Head:
+    """Read an exported head back; embeddings come from the target."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    meta = json.loads((folder / "config.json").read_text())
+    c = HeadConfig(**meta["schemafill_head_config"])
+    head = Eagle3Head(c, embed_tokens, inv_freq, attention_scaling)
+    missing, unexpected = head.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
+    if missing or unexpected:
+        raise ValueError(f"head at {folder} does not match its config: missing {missing}, unexpected {unexpected}")
+    return head

@@ -1,0 +1,77 @@
+"""Llama-family building blocks shared by the runtime's target forward and the EAGLE-3
+head: RMSNorm, rotary position embedding, SwiGLU MLP, and attention under an explicit
+visibility mask. Numerics follow Hugging Face's Llama (norms and rotary tables in fp32,
+cast back to the activation dtype) so logits match ``transformers`` on the same weights.
+Pure: imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for arbitrary (tree) positions, from a precomputed ``inv_freq``."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, T] -> cos, sin: [B, T, head_dim]
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, T, hd]; cos/sin: [B, T, hd]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """SDPA with grouped KV heads under a boolean visibility mask.
+
+    q: [B, Hq, T, hd]; k, v: [B, Hkv, S, hd]; visible: [B, T, S] (True = may attend).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None])

@@ -1,0 +1,68 @@
+"""Where a target's weights come from, and loading them with a clear error when they are
+not there. The built-in target lives under ``artifacts/targets/<name>/`` once the `target`
+stage has made it; every other target is a hub id or a local folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemafill.config import ModelConfig
+
+
+def target_dir(model: ModelConfig, artifacts: str | Path) -> Path:
+    return Path(artifacts) / "targets" / model.name
+
+
+def target_location(model: ModelConfig, artifacts: str | Path) -> str:
+    """The folder or hub id to load the (possibly fine-tuned) target from."""
+    if model.finetune:
+        path = target_dir(model, artifacts)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no fine-tuned target at {path}: run the `target` stage first "
+                f"(python train/run.py model={model.name} stages=[target])"
+            )
+        return str(path)
+    return model.source
+
+
+def _offline_hint(source: str, err: Exception) -> OSError:
+    return OSError(
+        f"could not load {source!r} ({type(err).__name__}: {err}). If it is a hub id, this machine "
+        f"cannot reach the hub: download it where you can (`huggingface-cli download {source}`) and "
+        f"pass the folder with model.source=/path/to/{Path(source).name}"
+    )
+
+
+def load_tokenizer(source: str, revision: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as e:
+        raise _offline_hint(source, e) from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(source: str, dtype: torch.dtype, device: torch.device, revision: str | None = None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise _offline_hint(source, e) from e
+    return model.to(device).eval()
+
+
+def load_config(source: str, revision: str | None = None) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as e:
+        raise _offline_hint(source, e) from e

@@ -1,0 +1,111 @@
+"""Stage `continuations` on a tiny random target: columns and masks, context skips,
+resume after a kill, and multi-process generation equal to one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+
+from data_gen.generate import build_continuations, continuations_dir
+from schemafill.config import to_dataclass
+from tests.conftest import ROOT, compose, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_target(builtin_artifacts, smol_tokenizer, tmp_path_factory):
+    """A random two-layer Llama with the built-in target's tokenizer, saved like a hub model."""
+    folder = tmp_path_factory.mktemp("tiny_target")
+    model = tiny_llama(seed=3)
+    model.generation_config.eos_token_id = smol_tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    smol_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def overrides(artifacts: Path, tiny: Path, *extra: str) -> list[str]:
+    return [f"paths.artifacts={artifacts}", "logger=none", "model.finetune=false", f"model.source={tiny}",
+            "model.name=tiny", "decode.max_new_tokens=12", "data.continuations.max_requests=16",
+            "data.continuations.shard_size=4", "data.continuations.batch_size=4", *extra]
+
+
+def copy_requests(src: Path, dst: Path) -> None:
+    (dst / "requests").mkdir(parents=True)
+    for name in ("train.jsonl", "bfcl450.jsonl"):
+        (dst / "requests" / name).write_text((src / "requests" / name).read_text())
+
+
+def load_rows(cfg) -> list[dict]:
+    ds = datasets.load_from_disk(str(continuations_dir(cfg)))
+    return sorted(ds.to_list(), key=lambda r: r["id"])
+
+
+def test_rows_masks_and_stats(builtin_artifacts, tiny_target, tmp_path):
+    copy_requests(builtin_artifacts, tmp_path)
+    cfg = to_dataclass(compose(overrides(tmp_path, tiny_target, "data.continuations.max_prompt_tokens=700")))
+    stats = build_continuations(cfg)
+    rows = load_rows(cfg)
+    assert stats["rows"] == len(rows) and stats["rows"] + stats["skipped"] == stats["requests"] == 20
+    assert stats["skipped_by_reason"] and stats["skipped"] > 0  # long live_* prompts over 700 tokens
+    assert 0 < stats["composed_share"] < 1 and stats["tokens_per_s"] > 0
+    for r in rows:
+        assert len(r["input_ids"]) == len(r["loss_mask"])
+        assert r["loss_mask"][: r["prompt_len"]] == [0] * r["prompt_len"]  # no loss on prompt tokens
+        assert r["loss_mask"][r["prompt_len"]:] == [1] * (len(r["input_ids"]) - r["prompt_len"])
+        assert sum(r["loss_mask"]) >= 1
+    assert build_continuations(cfg)["cached"] is True
+
+
+def test_resume_after_kill_loses_and_duplicates_nothing(builtin_artifacts, tiny_target, tmp_path):
+    copy_requests(builtin_artifacts, tmp_path)
+    args = overrides(tmp_path, tiny_target, "data.continuations.max_prompt_tokens=900")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "data_gen/run.py", "stages=[continuations]", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    shards = tmp_path / "continuations" / ".tiny.shards"
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(shards.glob("*/shard_*.jsonl")):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # killed mid-run, at whatever point it had reached
+    proc.wait()
+    finished = len(list(shards.glob("*/shard_*.jsonl")))
+    assert 1 <= finished < 5, "the run should have been interrupted after a shard and before the end"
+    assert not (tmp_path / "continuations" / "tiny").exists()
+
+    cfg = to_dataclass(compose(args))
+    stats = build_continuations(cfg)
+    assert stats["shards_reused"] == finished and stats["shards"] == 5
+    rows = load_rows(cfg)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == stats["rows"] and stats["rows"] + stats["skipped"] == 20
+    # the same rows as an uninterrupted run
+    fresh = tmp_path / "fresh"
+    copy_requests(builtin_artifacts, fresh)
+    cfg2 = to_dataclass(compose(overrides(fresh, tiny_target, "data.continuations.max_prompt_tokens=900")))
+    build_continuations(cfg2)
+    assert load_rows(cfg2) == rows
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_rows_as_one(builtin_artifacts, tiny_target, tmp_path):
+    runs = {}
+    for n in (1, 2):
+        art = tmp_path / f"p{n}"
+        copy_requests(builtin_artifacts, art)
+        args = overrides(art, tiny_target, "data.continuations.max_prompt_tokens=900")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(n),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "data_gen/run.py", "stages=[continuations]", *args]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[n] = load_rows(to_dataclass(compose(args)))
+        assert json.loads((continuations_dir(to_dataclass(compose(args))) / "stats.json").read_text())["rows"]
+    assert runs[1] == runs[2] and len(runs[1]) > 0

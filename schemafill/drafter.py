@@ -124,6 +124,10 @@ class Eagle3Head(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., Vd]
         return self.lm_head(self.norm(out))
 
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
+                horizons: int) -> list[torch.Tensor]:
+        return self.ttt_forward(input_ids, aux, valid, horizons)
+
     def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
                     horizons: int) -> list[torch.Tensor]:
         """Training-time test over ``horizons`` steps; returns draft logits per step.

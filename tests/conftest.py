@@ -68,7 +68,19 @@ def tiny_llama(vocab_size: int = 49152, seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, **overrides)
+    settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                    tie_word_embeddings=True)
+    config = LlamaConfig(**{**settings, **overrides})
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(builtin_artifacts, smol_tokenizer, tmp_path_factory):
+    """A random two-layer Llama with the built-in target's tokenizer, saved like a hub model."""
+    folder = tmp_path_factory.mktemp("tiny_target")
+    model = tiny_llama(seed=3, num_hidden_layers=4)
+    model.generation_config.eos_token_id = smol_tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    smol_tokenizer.save_pretrained(folder)
+    return folder

@@ -19,17 +19,6 @@ from schemafill.config import to_dataclass
 from tests.conftest import ROOT, compose, tiny_llama
 
 
-@pytest.fixture(scope="module")
-def tiny_target(builtin_artifacts, smol_tokenizer, tmp_path_factory):
-    """A random two-layer Llama with the built-in target's tokenizer, saved like a hub model."""
-    folder = tmp_path_factory.mktemp("tiny_target")
-    model = tiny_llama(seed=3)
-    model.generation_config.eos_token_id = smol_tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    smol_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def overrides(artifacts: Path, tiny: Path, *extra: str) -> list[str]:
     return [f"paths.artifacts={artifacts}", "logger=none", "model.finetune=false", f"model.source={tiny}",
             "model.name=tiny", "decode.max_new_tokens=12", "data.continuations.max_requests=16",

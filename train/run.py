@@ -17,13 +17,15 @@ import hydra
 from omegaconf import DictConfig
 
 from data_gen.run import build_continuations, build_requests
+from train.eagle3 import build_head
 from train.target import build_target
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
 from schemafill.tracking import start_run
 
 # Stage name → runner(cfg, tracker) -> dict. Stages not here yet fail loudly, naming the issue.
-RUNNERS = {"requests": build_requests, "target": build_target, "continuations": build_continuations}
-PLANNED = {"head": "#5", "eval": "#8"}
+RUNNERS = {"requests": build_requests, "target": build_target, "continuations": build_continuations,
+           "head": build_head}
+PLANNED = {"eval": "#8"}
 
 
 def check_stages(stages: list[str]) -> None:

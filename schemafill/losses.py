@@ -1,0 +1,62 @@
+"""The EAGLE-3 training-time-test loss (pure: torch only).
+
+Step k of the head at position t predicts token x[t+2+k]; its soft label is the target's
+distribution at position t+1+k restricted to the draft vocabulary and renormalised. A
+position carries loss only when that token is a response token (``loss_mask``) and the
+target's own greedy choice there exists in the draft vocabulary (else the head could never
+be right and the renormalised label would be meaningless). Loss = Σ_k decay^k · L_k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # scalar, weighted over steps
+    step_loss: list[float]  # mean loss per step
+    step_correct: list[int]  # top-1 agreements with the target per step
+    step_count: list[int]  # positions with loss per step
+
+
+def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, target_argmax: torch.Tensor,
+             loss_mask: torch.Tensor, t2d: torch.Tensor, draft_to_target: torch.Tensor,
+             decay: float) -> TTTResult:
+    """step_logits[k]: [B, T, Vd]; target_logits: [B, T, Vd] (target logits at draft ids);
+    target_argmax: [B, T] target ids; loss_mask: [B, T] 1 on response tokens; t2d: [V] bool;
+    draft_to_target: [Vd] target id of each draft id."""
+    t = target_logits.shape[1]
+    # zero but attached to the graph: a batch without loss positions still backpropagates
+    # (distributed ranks must all call backward) and simply contributes nothing
+    total = step_logits[0].sum() * 0.0
+    step_loss, step_correct, step_count = [], [], []
+    for k, logits in enumerate(step_logits):
+        n = t - 2 - k  # positions t whose predicted token x[t+2+k] lies inside the sequence
+        if n <= 0:
+            step_loss.append(0.0)
+            step_correct.append(0)
+            step_count.append(0)
+            continue
+        head = logits[:, :n]  # [B, n, Vd]
+        label = target_logits[:, 1 + k:1 + k + n]  # [B, n, Vd]
+        greedy = target_argmax[:, 1 + k:1 + k + n]  # [B, n]
+        mask = loss_mask[:, 2 + k:2 + k + n].bool() & t2d[greedy]  # [B, n]
+        count = int(mask.sum())
+        if count == 0:
+            step_loss.append(0.0)
+            step_correct.append(0)
+            step_count.append(0)
+            continue
+        soft = F.softmax(label[mask].float(), dim=-1)  # [N, Vd]
+        logp = F.log_softmax(head[mask].float(), dim=-1)  # [N, Vd]
+        loss_k = -(soft * logp).sum(-1).mean()
+        total = total + decay ** k * loss_k
+        predicted = draft_to_target[head[mask].argmax(-1)]
+        step_loss.append(loss_k.item())
+        step_correct.append(int((predicted == greedy[mask]).sum()))
+        step_count.append(count)
+    return TTTResult(total, step_loss, step_correct, step_count)

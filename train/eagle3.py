@@ -1,0 +1,290 @@
+"""Stage `head`: train the target's EAGLE-3 draft head on its own continuations.
+
+Reads ``artifacts/continuations/<model>/``; holds out a seeded 5% of rows; picks the draft
+vocabulary (the most frequent loss-masked tokens, cached by tokenizer + data fingerprint);
+trains with training-time test over ``drafter.horizons`` steps in an Accelerate loop
+(AdamW, warm-up + cosine, clipping, accumulation; DeepSpeed through an Accelerate config),
+checkpointing every ``save_every`` optimizer steps and resuming from the last checkpoint;
+exports to ``artifacts/heads/<model>/`` in the layout vLLM/SGLang load, with
+``train_metrics.json`` (held-out loss and top-1 accuracy per horizon).
+
+The target runs frozen: online per batch, or once into a feature cache that every epoch
+reads (``train.head.feature_cache``; on a CPU the target forward dominates, so caching
+pays from the second epoch on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from schemafill import atomic
+from schemafill.config import PipelineConfig, to_dict
+from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
+from schemafill.fingerprint import fingerprint, is_fresh, read_manifest, write_manifest
+from schemafill.losses import ttt_loss
+from schemafill.models import load_model, load_tokenizer, target_location
+from schemafill.stopping import eos_token_ids
+from train.features import Features, FeatureCache, target_features
+
+OUTPUTS = ["config.json", "model.safetensors", "train_metrics.json"]
+
+
+def heads_dir(cfg: PipelineConfig) -> Path:
+    return Path(cfg.paths.artifacts) / "heads" / cfg.model.name
+
+
+def split_rows(ids: list[str], heldout_fraction: float) -> tuple[list[int], list[int]]:
+    """Indices of training and held-out rows, decided by a hash of each row id."""
+    train, held = [], []
+    for i, rid in enumerate(ids):
+        bucket = int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        (held if bucket < heldout_fraction else train).append(i)
+    return train, held
+
+
+def draft_vocab(rows: list[dict], train_idx: list[int], vocab_size: int, size: int, always: list[int],
+                cache: Path) -> torch.Tensor:
+    if cache.is_file():
+        return torch.load(cache)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in train_idx:
+        ids = torch.tensor(rows[i]["input_ids"])
+        counts += torch.bincount(ids[torch.tensor(rows[i]["loss_mask"]).bool()], minlength=vocab_size)
+    vocab = draft_vocab_from_counts(counts, size, always=always)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.atomic_path(cache) as tmp:
+        torch.save(vocab, tmp)
+    return vocab
+
+
+def new_head(target: Any, size: int, aux_layer_ids: list[int], vocab: torch.Tensor) -> Eagle3Head:
+    """A head shaped like one target layer; ``lm_head`` and ``norm`` start from the target's."""
+    config = HeadConfig.from_target(target.config, size, aux_layer_ids)
+    embed = torch.nn.Embedding.from_pretrained(target.get_input_embeddings().weight.detach().clone(), freeze=True)
+    rotary = target.model.rotary_emb
+    head = Eagle3Head(config, embed, rotary.inv_freq.detach().clone(), float(getattr(rotary, "attention_scaling", 1.0)))
+    for module in (head.fc, head.midlayer):
+        for p in module.parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=getattr(target.config, "initializer_range", 0.02))
+    head.set_vocab(vocab)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab])
+        head.norm.weight.copy_(target.model.norm.weight)
+    return head
+
+
+def batches(lengths: list[int], indices: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch of length-grouped batches, shuffled deterministically by (seed, epoch)."""
+    rng = random.Random(seed * 1000 + epoch)
+    order = indices[:]
+    rng.shuffle(order)
+    groups = []
+    for i in range(0, len(order), 32 * batch_size):
+        chunk = sorted(order[i:i + 32 * batch_size], key=lambda j: lengths[j])
+        groups += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    rng.shuffle(groups)
+    return groups
+
+
+class Batcher:
+    """Turns row indices into tensors plus the target's features (cached or online)."""
+
+    def __init__(self, rows: list[dict], target: Any, cache: FeatureCache | None, aux_layer_ids: list[int],
+                 vocab: torch.Tensor, max_len: int, device: torch.device) -> None:
+        self.rows, self.target, self.cache = rows, target, cache
+        self.aux_layer_ids, self.vocab, self.max_len, self.device = aux_layer_ids, vocab, max_len, device
+
+    def __call__(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        width = min(self.max_len, max(len(self.rows[i]["input_ids"]) for i in idx))
+        ids = torch.zeros(len(idx), width, dtype=torch.long)  # [B, T]
+        loss_mask = torch.zeros(len(idx), width, dtype=torch.long)  # [B, T]
+        valid = torch.zeros(len(idx), width, dtype=torch.bool)  # [B, T]
+        for b, i in enumerate(idx):
+            row = self.rows[i]
+            n = min(width, len(row["input_ids"]))
+            ids[b, :n] = torch.tensor(row["input_ids"][:n])
+            loss_mask[b, :n] = torch.tensor(row["loss_mask"][:n])
+            valid[b, :n] = True
+        ids, loss_mask, valid = ids.to(self.device), loss_mask.to(self.device), valid.to(self.device)
+        if self.cache is not None:
+            f = self.cache.batch(idx, width)
+            f = Features(f.aux.to(self.device), f.final.to(self.device), f.argmax.to(self.device))
+        else:
+            f = target_features(self.target, ids, valid.long(), self.aux_layer_ids)
+        weight = self.target.lm_head.weight[self.vocab]  # [Vd, Ht]
+        target_logits = f.final.to(weight.dtype) @ weight.T  # [B, T, Vd]
+        return {"input_ids": ids, "loss_mask": loss_mask, "valid": valid, "aux": f.aux.float(),
+                "target_logits": target_logits, "target_argmax": f.argmax}
+
+
+def run_ttt(model: Any, head: Eagle3Head, batch: dict, horizons: int, decay: float):
+    """``model`` is what runs the forward (DDP-wrapped when distributed); ``head`` the bare head."""
+    step_logits = model(batch["input_ids"], batch["aux"], batch["valid"], horizons)
+    return ttt_loss(step_logits, batch["target_logits"], batch["target_argmax"], batch["loss_mask"],
+                    head.t2d, head.draft_to_target, decay)
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, batcher: Batcher, held: list[int], cfg: PipelineConfig) -> dict:
+    head.eval()
+    loss_sum, correct, count, n = 0.0, Counter(), Counter(), 0
+    for idx in batches([len(r["input_ids"]) for r in batcher.rows], held, cfg.train.head.batch_size, 0, 0):
+        res = run_ttt(head, head, batcher(idx), cfg.drafter.horizons, cfg.drafter.loss_decay)
+        loss_sum += res.loss.item()
+        n += 1
+        for k in range(cfg.drafter.horizons):
+            correct[k] += res.step_correct[k]
+            count[k] += res.step_count[k]
+    head.train()
+    return {"heldout_loss": loss_sum / max(n, 1),
+            "heldout_acc": [correct[k] / count[k] if count[k] else 0.0 for k in range(cfg.drafter.horizons)],
+            "heldout_positions": [count[k] for k in range(cfg.drafter.horizons)]}
+
+
+def latest_checkpoint(folder: Path) -> tuple[Path | None, int]:
+    steps = [(int(p.name.split("_")[1]), p) for p in folder.glob("step_*") if (p / "progress.json").is_file()]
+    if not steps:
+        return None, 0
+    step, path = max(steps)
+    return path, step
+
+
+def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
+    import datasets
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    hc, dc = cfg.train.head, cfg.drafter
+    cont = Path(cfg.paths.artifacts) / "continuations" / cfg.model.name
+    if not (cont / "dataset_info.json").is_file():
+        raise FileNotFoundError(f"{cont} missing: run the `continuations` stage first")
+    out = heads_dir(cfg)
+    data_fp = (read_manifest(cont) or {}).get("fingerprint", "unknown")
+    location = target_location(cfg.model, cfg.paths.artifacts)
+    fp = fingerprint({"model": to_dict(cfg.model), "target": (read_manifest(location) or {}).get("fingerprint", location),
+                      "drafter": to_dict(dc), "train": to_dict(hc), "data": data_fp, "seed": cfg.seed, "recipe": 1})
+    if is_fresh(out, fp, OUTPUTS):
+        metrics = json.loads((out / "train_metrics.json").read_text())
+        print(f"[head] up to date in {out} (fingerprint {fp}): held-out acc {metrics['heldout_acc']}")
+        return {**metrics, "cached": True}
+
+    accelerator = Accelerator(gradient_accumulation_steps=hc.grad_accum, cpu=not torch.cuda.is_available())
+    set_seed(cfg.seed)
+    rows = datasets.load_from_disk(str(cont)).to_list()
+    # rows whose response starts beyond max_seq_len would only be truncated prompts: nothing to learn
+    fits = [i for i, r in enumerate(rows) if r["prompt_len"] + 2 < hc.max_seq_len]
+    train_idx, held_idx = split_rows([rows[i]["id"] for i in fits], hc.heldout_fraction)
+    train_idx, held_idx = [fits[i] for i in train_idx], [fits[i] for i in held_idx]
+    tokenizer = load_tokenizer(location, cfg.model.revision)
+    target = load_model(location, torch.float32 if accelerator.device.type == "cpu" else torch.bfloat16,
+                        accelerator.device, cfg.model.revision)
+    target.requires_grad_(False)
+    vocab_size = target.config.vocab_size
+    size = min(dc.draft_vocab_size, vocab_size)
+    vocab = draft_vocab(rows, train_idx, vocab_size, size, sorted(eos_token_ids(tokenizer, target.generation_config)),
+                        out.parent / ".vocab" / f"{cfg.model.name}-{fingerprint([data_fp, vocab_size, size, tokenizer.name_or_path])}.pt")
+    cache = None
+    if hc.feature_cache:
+        folder = out.parent / ".features" / f"{cfg.model.name}-{fingerprint([data_fp, cfg.model.aux_layer_ids, str(target.dtype)])}"
+        if not FeatureCache.exists(folder):
+            if accelerator.is_main_process:
+                FeatureCache.build(folder, target, [r["input_ids"][: hc.max_seq_len] for r in rows],
+                                   cfg.model.aux_layer_ids)
+            accelerator.wait_for_everyone()
+        cache = FeatureCache(folder)
+    batcher = Batcher(rows, target, cache, cfg.model.aux_layer_ids, vocab.to(accelerator.device), hc.max_seq_len,
+                      accelerator.device)
+
+    head = new_head(target, size, cfg.model.aux_layer_ids, vocab).to(accelerator.device)
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=hc.lr, weight_decay=0.0)
+    lengths = [len(r["input_ids"]) for r in rows]
+    per_epoch = math.ceil(len(train_idx) / hc.batch_size / accelerator.num_processes)
+    total_steps = max(1, hc.epochs * per_epoch // hc.grad_accum)
+    warmup = max(1, int(hc.warmup_ratio * total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0)))))
+    head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
+
+    ckpt_root = out.parent / ".checkpoints" / f"{cfg.model.name}-{fp}"
+    resume, done_steps = latest_checkpoint(ckpt_root)
+    resumed_from = done_steps
+    micro_done = 0
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        micro_done = json.loads((resume / "progress.json").read_text())["micro_steps"]
+        if accelerator.is_main_process:
+            print(f"[head] resuming from {resume} (optimizer step {done_steps})")
+
+    t0 = time.perf_counter()
+    raw = accelerator.unwrap_model(head)
+    micro = 0
+    bar = tqdm(total=hc.epochs * per_epoch, initial=micro_done, desc="train head", unit="batch",
+               dynamic_ncols=True, disable=not accelerator.is_main_process)
+    for epoch in range(hc.epochs):
+        epoch_batches = batches(lengths, train_idx, hc.batch_size, cfg.seed, epoch)
+        mine = epoch_batches[accelerator.process_index::accelerator.num_processes][:per_epoch]
+        for idx in mine:
+            micro += 1
+            if micro <= micro_done:
+                continue  # replayed by the checkpoint: the stream is deterministic, so skip it
+            with accelerator.accumulate(head):
+                res = run_ttt(head, raw, batcher(idx), dc.horizons, dc.loss_decay)
+                accelerator.backward(res.loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(params, hc.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            if accelerator.sync_gradients:
+                done_steps += 1
+                acc = [c / n if n else 0.0 for c, n in zip(res.step_correct, res.step_count)]
+                bar.set_postfix(loss=f"{res.loss.item():.3f}", acc0=f"{acc[0]:.2f}", epoch=epoch)
+                if tracker is not None and accelerator.is_main_process:
+                    tracker.log({"head/loss": res.loss.item(), "head/lr": scheduler.get_last_lr()[0],
+                                 **{f"head/acc_{k}": a for k, a in enumerate(acc)},
+                                 **{f"head/loss_{k}": v for k, v in enumerate(res.step_loss)}}, step=done_steps)
+                if hc.save_every and done_steps % hc.save_every == 0:
+                    save_checkpoint(accelerator, ckpt_root / f"step_{done_steps}", micro)
+            bar.update(1)
+    bar.close()
+    train_seconds = time.perf_counter() - t0
+    if not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return {"process": accelerator.process_index}
+    metrics = evaluate(raw, batcher, held_idx, cfg)
+    metrics.update({"train_seconds": round(train_seconds, 1), "optimizer_steps": done_steps, "epochs": hc.epochs,
+                    "resumed_from_step": resumed_from,
+                    "train_rows": len(train_idx), "heldout_rows": len(held_idx), "draft_vocab_size": size,
+                    "rows_too_long": len(rows) - len(fits),
+                    "horizons": dc.horizons, "feature_cache": hc.feature_cache, "processes": accelerator.num_processes})
+    with atomic.atomic_path(out) as tmp:
+        save_head(raw, tmp)
+        atomic.write_json(tmp / "train_metrics.json", metrics)
+        write_manifest(tmp, fp, stage="head", target=location)
+    shutil.rmtree(ckpt_root, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    print(f"[head] saved {out}: held-out loss {metrics['heldout_loss']:.3f}, acc per horizon "
+          f"{[round(a, 3) for a in metrics['heldout_acc']]}, {metrics['train_seconds']} s")
+    if tracker is not None:
+        tracker.summary({"head/heldout_loss": metrics["heldout_loss"],
+                         **{f"head/heldout_acc_{k}": a for k, a in enumerate(metrics["heldout_acc"])}})
+    return {**metrics, "cached": False}
+
+
+def save_checkpoint(accelerator: Any, folder: Path, micro_steps: int) -> None:
+    accelerator.save_state(str(folder))
+    if accelerator.is_main_process:
+        atomic.write_json(folder / "progress.json", {"micro_steps": micro_steps})

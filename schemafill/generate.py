@@ -8,6 +8,7 @@ Decoding for evaluation uses the project's runtime instead, one request at a tim
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,8 +47,10 @@ def generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
     stops = [ResponseStop(tokenizer, eos, max_new_tokens) for _ in prompts]
     rows = list(range(len(prompts)))  # batch row -> prompt index, for rows still decoding
     cache = DynamicCache()
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    # transformers 5 renamed `past_key_values` to `cache`; accept both generations of the API
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                logits_to_keep=1, **{cache_kw: cache})
     while True:
         nxt = out.logits[:, -1].argmax(-1)  # [B]
         for r, tok in zip(rows, nxt.tolist()):
@@ -62,8 +65,8 @@ def generate_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new
             rows = [rows[i] for i in keep]
         attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=nxt[:, None], attention_mask=attention, position_ids=positions,
-                    past_key_values=cache, use_cache=True)
+        out = model(input_ids=nxt[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
+                    **{cache_kw: cache})
     return [Generation(ids=list(s.ids), text=s.text, stop=s.reason or "length") for s in stops]
 
 

@@ -43,7 +43,8 @@ def test_rows_masks_and_stats(builtin_artifacts, tiny_target, tmp_path):
     rows = load_rows(cfg)
     assert stats["rows"] == len(rows) and stats["rows"] + stats["skipped"] == stats["requests"] == 20
     assert stats["skipped_by_reason"] and stats["skipped"] > 0  # long live_* prompts over 700 tokens
-    assert 0 < stats["composed_share"] < 1 and stats["tokens_per_s"] > 0
+    composed = sum(r["id"].startswith("cont_composed") for r in rows)
+    assert stats["composed_share"] == composed / len(rows) and stats["tokens_per_s"] > 0
     for r in rows:
         assert len(r["input_ids"]) == len(r["loss_mask"])
         assert r["loss_mask"][: r["prompt_len"]] == [0] * r["prompt_len"]  # no loss on prompt tokens

@@ -53,8 +53,8 @@ def test_users_own_requests_join_the_pool_and_bad_lines_are_reported(make_cfg, t
 
 
 def test_unimplemented_stage_fails_before_doing_anything(make_cfg):
-    cfg = make_cfg("stages=[requests,head]")
-    with pytest.raises(NotImplementedError, match="'head'"):
+    cfg = make_cfg("stages=[requests,eval]")
+    with pytest.raises(NotImplementedError, match="'eval'"):
         run(cfg)
     assert not Path(cfg.paths.artifacts).exists()
 

@@ -136,7 +136,9 @@ def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetT
     from accelerate import Accelerator
 
     use_bf16 = torch.cuda.is_available() or train.bf16_autocast_cpu
-    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available())
+    # autocast by hand rather than Accelerator(mixed_precision=...): Accelerate's state is a
+    # process-wide singleton, and the pipeline runs other Accelerate stages in this process
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(seed)
     trainable = freeze(model, train)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -154,7 +156,7 @@ def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetT
         progress = max(steps / train.max_steps, (time.perf_counter() - t0) / budget)
         for group in optimizer.param_groups:
             group["lr"] = train.lr * lr_factor(progress, steps, train.warmup_steps)
-        with accelerator.autocast():
+        with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=use_bf16):
             loss = response_loss(accelerator.unwrap_model(model), batch)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(params, 1.0)

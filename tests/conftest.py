@@ -84,3 +84,15 @@ def tiny_target(builtin_artifacts, smol_tokenizer, tmp_path_factory):
     model.save_pretrained(folder)
     smol_tokenizer.save_pretrained(folder)
     return folder
+
+
+def accelerate_launch(processes: int, script: str, *args: str, timeout: int = 1200) -> None:
+    """Run ``script`` under ``accelerate launch`` with ``processes`` CPU processes; fail with its stderr."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script, *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]

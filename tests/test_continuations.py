@@ -16,7 +16,7 @@ import pytest
 
 from data_gen.generate import build_continuations, continuations_dir
 from schemafill.config import to_dataclass
-from tests.conftest import ROOT, compose, tiny_llama
+from tests.conftest import ROOT, accelerate_launch, compose
 
 
 def overrides(artifacts: Path, tiny: Path, *extra: str) -> list[str]:
@@ -90,12 +90,7 @@ def test_two_processes_give_the_same_rows_as_one(builtin_artifacts, tiny_target,
         art = tmp_path / f"p{n}"
         copy_requests(builtin_artifacts, art)
         args = overrides(art, tiny_target, "data.continuations.max_prompt_tokens=900")
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(n),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "data_gen/run.py", "stages=[continuations]", *args]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stderr[-3000:]
+        accelerate_launch(n, "data_gen/run.py", "stages=[continuations]", *args)
         runs[n] = load_rows(to_dataclass(compose(args)))
         assert json.loads((continuations_dir(to_dataclass(compose(args))) / "stats.json").read_text())["rows"]
     assert runs[1] == runs[2] and len(runs[1]) > 0

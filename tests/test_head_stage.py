@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from data_gen.generate import build_continuations
 from schemafill.config import to_dataclass
 from schemafill.drafter import load_head
-from tests.conftest import ROOT, compose
+from tests.conftest import ROOT, accelerate_launch, compose
 from train.eagle3 import build_head, heads_dir
 
 
@@ -100,12 +100,7 @@ def test_two_process_training_matches_one_process(tiny_continuations, tiny_targe
     for n, batch in ((1, 4), (processes, 2)):  # same global batch: 4 rows per optimizer step
         art = clone(tiny_continuations, tmp_path / f"p{n}")
         args = args_for(art, tiny_target, f"train.head.batch_size={batch}", "train.head.feature_cache=false")
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(n),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "train/run.py", "stages=[head]", *args]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stderr[-3000:]
+        accelerate_launch(n, "train/run.py", "stages=[head]", *args)
         losses[n] = json.loads((art / "heads" / "tiny" / "train_metrics.json").read_text())["heldout_loss"]
     assert abs(losses[1] - losses[processes]) / losses[1] < 0.05, losses
 

@@ -79,6 +79,9 @@ def load_bfcl(data_dir: Path, categories: Iterable[str], log: RejectLog) -> list
             except ValueError as e:
                 log.add(str(path), lineno, None, f"not JSON: {e}")
                 continue
+            if not isinstance(record, dict):
+                log.add(str(path), lineno, None, f"record is a {type(record).__name__}, not an object")
+                continue
             rid = record.get("id") or f"{category}_{lineno - 1}"
             try:
                 out.append(_bfcl_request(record, rid, category, answers, data_dir))
@@ -185,7 +188,7 @@ def _jsonable(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- Glaive
-_ROLE_RE = re.compile(r"(SYSTEM|USER|ASSISTANT|FUNCTION RESPONSE):")
+_ROLE_RE = re.compile(r"(?m)^\s*(SYSTEM|USER|ASSISTANT|FUNCTION RESPONSE):")  # roles open a line
 _END_RE = re.compile(r"<\|endoftext\|>")
 
 
@@ -251,8 +254,10 @@ def _glaive_requests(text: str, conversation_id: str) -> list[ToolRequest]:
                 }))
             messages.append({"role": "assistant", "content": content})
         else:
-            role = {"USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "tool"}[role]
-            messages.append({"role": role, "content": content})
+            mapped = {"USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "tool"}.get(role)
+            if mapped is None:
+                raise InvalidRequest(f"unexpected {role} turn inside the conversation")
+            messages.append({"role": mapped, "content": content})
     if not out:
         raise InvalidRequest("no function call")
     return out

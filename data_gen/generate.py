@@ -96,7 +96,11 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     requests = pool(cfg)
     location = target_location(cfg.model, cfg.paths.artifacts)
     target_fp = (read_manifest(location) or {}).get("fingerprint", location)
-    fp = fingerprint({"model": to_dict(cfg.model), "target": target_fp, "gen": to_dict(cfg.data.continuations),
+    m = cfg.model
+    device = resolve_device() if state.device.type == "cpu" else state.device
+    model_key = {"source": location, "revision": m.revision, "dtype": str(resolve_dtype(m.dtype, device)),
+                 "prompt_style": m.prompt_style, "chat": m.chat_template_kwargs, "max_context": m.max_context}
+    fp = fingerprint({"model": model_key, "target": target_fp, "gen": to_dict(cfg.data.continuations),
                       "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
                       "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 1})
     if is_fresh(out, fp, OUTPUTS):
@@ -117,7 +121,6 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     state.wait_for_everyone()  # everyone counted finished shards before anyone writes new ones
     t0 = time.perf_counter()
     if todo:
-        device = resolve_device() if state.device.type == "cpu" else state.device
         tokenizer = load_tokenizer(location, cfg.model.revision)
         model = load_model(location, resolve_dtype(cfg.model.dtype, device), device, cfg.model.revision)
         bar = tqdm(total=sum(len(plan[i]) for i in todo), desc=f"continuations[{state.process_index}]",
@@ -130,19 +133,19 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
                                [{"_meta": {"skipped": skipped, "seconds": seconds}}] + rows)
         bar.close()
     state.wait_for_everyone()
+    if state.is_main_process:
+        stats = merge(work, plan, out, time.perf_counter() - t0, fp, reused)
+        shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
+    state.wait_for_everyone()  # no rank moves on (e.g. to the head stage) before the merge is on disk
     if not state.is_main_process:
         return {"process": state.process_index, "shards": len(todo)}
-    stats = merge(work, plan, out, time.perf_counter() - t0, fp)
-    stats["shards"], stats["shards_reused"] = len(plan), reused
-    atomic.write_json(out / "stats.json", stats)
-    shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
     print(f"[continuations] wrote {out}: {json.dumps({k: stats[k] for k in ('rows', 'valid_json_rate', 'tokens_per_s', 'empty_rate', 'composed_share')})}")
     if tracker is not None:
         tracker.summary({f"continuations/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
     return {**stats, "cached": False}
 
 
-def merge(work: Path, plan: list[range], out: Path, wall: float, fp: str) -> dict:
+def merge(work: Path, plan: list[range], out: Path, wall: float, fp: str, reused: int) -> dict:
     """All shards → one dataset (atomically) and its statistics."""
     import datasets
 
@@ -172,6 +175,8 @@ def merge(work: Path, plan: list[range], out: Path, wall: float, fp: str) -> dic
         "generation_seconds": round(gen_seconds, 1),  # summed over processes
         "tokens_per_s": round(response_tokens / max(gen_seconds, 1e-9), 1),
         "seconds": round(wall, 1),
+        "shards": len(plan),
+        "shards_reused": reused,
     }
     columns = ("id", "input_ids", "loss_mask", "prompt_len", "response_text")
     ds = datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in columns})

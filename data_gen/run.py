@@ -32,8 +32,9 @@ def build_requests(cfg: PipelineConfig, tracker: Tracker | None = None) -> dict:
     tracker = tracker or NullTracker()
     out_dir = requests_dir(cfg)
     bfcl_dir = bfcl_data_dir(cfg.data.bfcl_dir)
+    corpus = {k: v for k, v in to_dict(cfg.data).items() if k != "continuations"}
     fp = fingerprint({
-        "data": to_dict(cfg.data),
+        "data": corpus,
         "bfcl": _bfcl_version(bfcl_dir),
         "extra": [_file_stamp(p) for p in cfg.data.extra_requests],
         "format": 1,

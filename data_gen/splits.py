@@ -14,6 +14,7 @@ import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from data_gen.corpora import BFCL_SOURCE
 from schemafill.toolcall import ToolRequest, normalized_text
 
 BFCL450_CATEGORIES = ("exec_parallel", "parallel", "parallel_multiple")
@@ -29,7 +30,7 @@ class Splits:
 
 
 def bfcl450(bfcl: list[ToolRequest]) -> list[ToolRequest]:
-    chosen = [r for r in bfcl if r.category in BFCL450_CATEGORIES]
+    chosen = [r for r in bfcl if r.source == BFCL_SOURCE and r.category in BFCL450_CATEGORIES]
     if len(chosen) != BFCL450_SIZE:
         counts = Counter(r.category for r in chosen)
         raise ValueError(f"BFCL450 needs exactly {BFCL450_SIZE} requests, found {len(chosen)}: {dict(counts)}")
@@ -61,6 +62,8 @@ def make_splits(bfcl: list[ToolRequest], glaive: list[ToolRequest], seed: int = 
     for r in [*bfcl, *glaive]:
         text = normalized_text(r.user_text())
         if r.id in eval_ids:
+            if r.source != BFCL_SOURCE or r.category not in BFCL450_CATEGORIES:
+                dropped["id_of_an_eval_request"] += 1  # a user record reusing an evaluation id
             continue
         if text in eval_texts or r.meta.get("conversation") in eval_conversations:
             dropped["overlaps_eval"] += 1

@@ -25,7 +25,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            # a folder cannot be replaced in one rename: move the old one aside first, so a
+            # crash in between leaves it recoverable next to the new one, never neither
+            os.replace(path, tmp.parent / f"{path.name}.old")
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)

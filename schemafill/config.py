@@ -57,8 +57,6 @@ class DataConfig:
 
 @dataclass
 class DrafterConfig:
-    kind: str = "eagle3"
-    num_layers: int = 1  # decoder layers of the head
     draft_vocab_size: int = 16384  # reduced draft vocabulary (paper: 14,136 for Qwen2.5-7B)
     horizons: int = 2  # training-time-test steps (paper: 2; EAGLE-3 uses 7)
     loss_decay: float = 0.8  # loss = sum_i decay^i * L_i

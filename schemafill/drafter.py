@@ -110,6 +110,9 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = embed_tokens
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = Rotary(inv_freq, attention_scaling)
+        # the embeddings are the target's: never saved (checkpoints, exports), kept on load
+        self.register_state_dict_post_hook(_drop_embeddings)
+        self.register_load_state_dict_pre_hook(_keep_embeddings)
 
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """Install the draft vocabulary (target ids, in draft-id order)."""
@@ -155,6 +158,15 @@ class Eagle3Head(nn.Module):
             hidden = self.midlayer.finish(hidden, attn)
             out_logits.append(self.logits(hidden))
         return out_logits
+
+
+def _drop_embeddings(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    for key in [k for k in state if k.startswith(prefix + "embed_tokens.")]:
+        del state[key]
+
+
+def _keep_embeddings(module: nn.Module, state: dict, prefix: str, *args) -> None:
+    state.setdefault(prefix + "embed_tokens.weight", module.embed_tokens.weight)
 
 
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

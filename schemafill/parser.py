@@ -62,6 +62,8 @@ class ToolCallParser:
         self._stack: list[_Frame] = []
         self._scalar: list | None = None  # [kind, raw_chars, extra]
         self._root_done = False
+        self._root_is_object = False
+        self._root_closed_object = False
         self._error: str | None = None
         self._offset = 0
         self._calls: list[_Call] = []
@@ -113,6 +115,7 @@ class ToolCallParser:
             self._fail("text after the closed outer object")
             return
         if not self._stack:
+            self._root_is_object = ch == "{"
             self._start_value(ch)
             return
         top = self._stack[-1]
@@ -249,6 +252,7 @@ class ToolCallParser:
             self._calls[-1].fields_done.append(self._stack[-1].key)
         if not self._stack:
             self._root_done = True
+            self._root_closed_object = self._root_is_object
             return
         self._stack[-1].state = "comma_or_end"
 
@@ -293,7 +297,7 @@ class ToolCallParser:
         )
         in_value = in_args and self._value_depth is not None
         return ParseState(
-            closed=self._root_done,
+            closed=self._root_closed_object,
             error=self._error,
             calls_started=len(self._calls),
             call_index=len(self._calls) - 1 if in_call else None,

@@ -64,8 +64,13 @@ def read_requests(path: str | os.PathLike, log: RejectLog | None = None) -> tupl
     log = log if log is not None else RejectLog()
     path = Path(path)
     out: list[ToolRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                log.add(str(path), lineno, None, f"not UTF-8: {e}")
+                continue
             if not line.strip():
                 continue
             try:

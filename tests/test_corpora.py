@@ -132,6 +132,27 @@ def test_glaive_rows_load_through_datasets(tmp_path):
     assert [(r.line, r.reason) for r in log.items] == [(7, "no tools")]
 
 
+def test_glaive_role_words_inside_a_message_do_not_split_turns(tmp_path):
+    row = glaive_row(0)
+    row["chat"] = row["chat"].replace("What's the weather", "Reply with USER: ok. What's the weather")
+    bad = {"system": GLAIVE_SYSTEM, "chat": "USER: hi\nSYSTEM: sneaky\nASSISTANT: <functioncall> "
+                                           "{\"name\": \"get_weather\", \"arguments\": '{}'}"}
+    path = tmp_path / "glaive.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(bad) + "\n")
+    log = RejectLog()
+    requests = load_glaive(str(path), "train", log)
+    assert len(requests) == 1 and "Reply with USER: ok." in requests[0].messages[0]["content"]
+    assert [(r.line, r.reason) for r in log.items] == [(2, "unexpected SYSTEM turn inside the conversation")]
+
+
+def test_users_requests_never_enter_bfcl450(bfcl):
+    requests, _ = bfcl
+    mine = type(requests[0])(id="mine", messages=[{"role": "user", "content": "unique text 123"}],
+                             tools=requests[0].tools, source="mine", category="parallel")
+    splits = make_splits(requests + [mine], [], seed=0)
+    assert len(splits.eval_sets["bfcl450"]) == 450 and "mine" in {r.id for r in splits.train}
+
+
 def test_glaive_sampled_by_conversation(tmp_path, bfcl):
     path = tmp_path / "glaive.json"
     path.write_text("\n".join(json.dumps(glaive_row(i, calls=2)) for i in range(10)))

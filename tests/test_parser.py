@@ -165,6 +165,11 @@ def test_invalid_text_reports_an_error(bad):
         assert state.error is not None
 
 
+def test_only_an_outer_object_closes_the_response():
+    assert not parse_prefix("[]").closed and not parse_prefix('"x"').closed
+    assert parse_prefix('{"tool_calls": []}').closed
+
+
 def test_nested_keys_do_not_change_the_field():
     text = '{"tool_calls": [{"name": "f", "arguments": {"outer": {"inner": 1, "deeper": {"k": "v"}'
     state = parse_prefix(text)

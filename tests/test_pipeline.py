@@ -70,6 +70,18 @@ def test_interrupted_atomic_write_keeps_the_old_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temp left behind
 
 
+def test_atomic_folder_replacement_keeps_new_content_only(tmp_path):
+    target = tmp_path / "dataset"
+    with atomic.atomic_path(target) as tmp:
+        tmp.mkdir()
+        (tmp / "a.txt").write_text("old")
+    with atomic.atomic_path(target) as tmp:
+        tmp.mkdir()
+        (tmp / "b.txt").write_text("new")
+    assert [p.name for p in target.iterdir()] == ["b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset"]
+
+
 def test_command_line(tmp_path):
     art = tmp_path / "art"
     ok = subprocess.run([sys.executable, "train/run.py", "stages=[requests]", f"paths.artifacts={art}", "logger=none"],

@@ -99,6 +99,13 @@ def test_jsonl_with_malformed_lines_keeps_the_good_ones(tmp_path):
     assert "6 records rejected" in log.summary() and "requests.jsonl:3 (id=no_tools): no tools" in log.summary()
 
 
+def test_non_utf8_line_is_reported_not_fatal(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe{broken\n")
+    requests, log = read_requests(path)
+    assert [r.id for r in requests] == ["r1"] and log.items[0].line == 2 and "not UTF-8" in log.items[0].reason
+
+
 def test_strict_mode_makes_a_bad_line_fatal(tmp_path):
     path = tmp_path / "requests.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "id": "x", "tools": []}) + "\n")

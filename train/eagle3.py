@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
+from schemafill.device import resolve_dtype
 from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
 from schemafill.fingerprint import fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.losses import ttt_loss
@@ -180,7 +181,10 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
         print(f"[head] up to date in {out} (fingerprint {fp}): held-out acc {metrics['heldout_acc']}")
         return {**metrics, "cached": True}
 
-    accelerator = Accelerator(gradient_accumulation_steps=hc.grad_accum, cpu=not torch.cuda.is_available())
+    # the scheduler steps once per optimizer step, whatever the process count (Accelerate's
+    # default would step it num_processes times and end the cosine early)
+    accelerator = Accelerator(gradient_accumulation_steps=hc.grad_accum, cpu=not torch.cuda.is_available(),
+                              step_scheduler_with_optimizer=False)
     set_seed(cfg.seed)
     rows = datasets.load_from_disk(str(cont)).to_list()
     # rows whose response starts beyond max_seq_len would only be truncated prompts: nothing to learn
@@ -188,8 +192,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     train_idx, held_idx = split_rows([rows[i]["id"] for i in fits], hc.heldout_fraction)
     train_idx, held_idx = [fits[i] for i in train_idx], [fits[i] for i in held_idx]
     tokenizer = load_tokenizer(location, cfg.model.revision)
-    target = load_model(location, torch.float32 if accelerator.device.type == "cpu" else torch.bfloat16,
-                        accelerator.device, cfg.model.revision)
+    target = load_model(location, resolve_dtype(cfg.model.dtype, accelerator.device), accelerator.device,
+                        cfg.model.revision)
     target.requires_grad_(False)
     vocab_size = target.config.vocab_size
     size = min(dc.draft_vocab_size, vocab_size)
@@ -197,7 +201,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                         out.parent / ".vocab" / f"{cfg.model.name}-{fingerprint([data_fp, vocab_size, size, tokenizer.name_or_path])}.pt")
     cache = None
     if hc.feature_cache:
-        folder = out.parent / ".features" / f"{cfg.model.name}-{fingerprint([data_fp, cfg.model.aux_layer_ids, str(target.dtype)])}"
+        key = fingerprint([data_fp, cfg.model.aux_layer_ids, str(target.dtype), hc.max_seq_len])
+        folder = out.parent / ".features" / f"{cfg.model.name}-{key}"
         if not FeatureCache.exists(folder):
             if accelerator.is_main_process:
                 FeatureCache.build(folder, target, [r["input_ids"][: hc.max_seq_len] for r in rows],
@@ -211,14 +216,16 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=hc.lr, weight_decay=0.0)
     lengths = [len(r["input_ids"]) for r in rows]
-    per_epoch = math.ceil(len(train_idx) / hc.batch_size / accelerator.num_processes)
+    # every rank gets the same number of batches (the tail that would not divide is dropped),
+    # so gradient all-reduces and checkpoints stay in step across ranks
+    per_epoch = max(1, math.ceil(len(train_idx) / hc.batch_size) // accelerator.num_processes)
     total_steps = max(1, hc.epochs * per_epoch // hc.grad_accum)
     warmup = max(1, int(hc.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0)))))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
 
-    ckpt_root = out.parent / ".checkpoints" / f"{cfg.model.name}-{fp}"
+    ckpt_root = out.parent / ".checkpoints" / f"{cfg.model.name}-{fp}-p{accelerator.num_processes}"
     resume, done_steps = latest_checkpoint(ckpt_root)
     resumed_from = done_steps
     micro_done = 0
@@ -246,16 +253,18 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, hc.max_grad_norm)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             if accelerator.sync_gradients:
                 done_steps += 1
                 acc = [c / n if n else 0.0 for c, n in zip(res.step_correct, res.step_count)]
                 bar.set_postfix(loss=f"{res.loss.item():.3f}", acc0=f"{acc[0]:.2f}", epoch=epoch)
                 if tracker is not None and accelerator.is_main_process:
-                    tracker.log({"head/loss": res.loss.item(), "head/lr": scheduler.get_last_lr()[0],
+                    tracker.log({"head/step": done_steps, "head/loss": res.loss.item(),
+                                 "head/lr": scheduler.get_last_lr()[0],
                                  **{f"head/acc_{k}": a for k, a in enumerate(acc)},
-                                 **{f"head/loss_{k}": v for k, v in enumerate(res.step_loss)}}, step=done_steps)
+                                 **{f"head/loss_{k}": v for k, v in enumerate(res.step_loss)}})
                 if hc.save_every and done_steps % hc.save_every == 0:
                     save_checkpoint(accelerator, ckpt_root / f"step_{done_steps}", micro)
             bar.update(1)
@@ -284,7 +293,12 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     return {**metrics, "cached": False}
 
 
-def save_checkpoint(accelerator: Any, folder: Path, micro_steps: int) -> None:
+def save_checkpoint(accelerator: Any, folder: Path, micro_steps: int, keep: int = 2) -> None:
+    """Save a resumable state; ``progress.json`` marks it complete once every rank has written."""
     accelerator.save_state(str(folder))
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         atomic.write_json(folder / "progress.json", {"micro_steps": micro_steps})
+        older = sorted(folder.parent.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]
+        for path in older:
+            shutil.rmtree(path, ignore_errors=True)

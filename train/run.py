@@ -20,7 +20,7 @@ from data_gen.run import build_continuations, build_requests
 from train.eagle3 import build_head
 from train.target import build_target
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
-from schemafill.tracking import start_run
+from schemafill.tracking import NullTracker, start_run
 
 # Stage name → runner(cfg, tracker) -> dict. Stages not here yet fail loudly, naming the issue.
 RUNNERS = {"requests": build_requests, "target": build_target, "continuations": build_continuations,
@@ -41,7 +41,11 @@ def check_stages(stages: list[str]) -> None:
 def run(cfg: PipelineConfig) -> dict:
     check_stages(cfg.stages)
     stages = [s for s in STAGES if s in cfg.stages]  # pipeline order, whatever order was given
-    tracker = start_run(cfg.logger, to_dict(cfg), name=f"{cfg.model.name}", job_type="pipeline")
+    from accelerate import PartialState
+
+    # under `accelerate launch`, one W&B run: the main process tracks, the others keep quiet
+    main = PartialState().is_main_process
+    tracker = start_run(cfg.logger, to_dict(cfg), name=cfg.model.name, job_type="pipeline") if main else NullTracker()
     results: dict = {"model": cfg.model.name, "stages": {}, "seconds": {}}
     try:
         for stage in stages:

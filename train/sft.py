@@ -56,6 +56,10 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
     buckets: list[list[Example]] = [[] for _ in train.call_mix]
     for e in examples:
         buckets[min(e.calls, len(buckets)) - 1].append(e)
+    empty = [i + 1 for i, (b, share) in enumerate(zip(buckets, train.call_mix)) if share > 0 and not b]
+    if empty:
+        raise ValueError(f"no fine-tuning examples with {empty} call(s) fit max_seq_len={train.max_seq_len}; "
+                         "raise train.target.max_seq_len or set their train.target.call_mix share to 0")
     total = min(len(b) / share for b, share in zip(buckets, train.call_mix) if share > 0)
     rng = random.Random(seed)
     examples = [e for b, share in zip(buckets, train.call_mix) for e in rng.sample(b, int(total * share))]
@@ -69,6 +73,8 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
 
 def batches(examples: list[Example], batch_tokens: int, seed: int):
     """Endless stream of length-grouped batches of at most ``batch_tokens`` padded tokens."""
+    if not examples:
+        raise ValueError("no examples to train on")
     rng = random.Random(seed)
     while True:
         order = examples[:]
@@ -168,8 +174,8 @@ def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetT
         elapsed = time.perf_counter() - t0
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / elapsed:.0f}", min=f"{elapsed / 60:.1f}")
-        tracker.log({"target/loss": losses[-1], "target/lr": optimizer.param_groups[0]["lr"],
-                     "target/tokens_per_s": tokens / elapsed}, step=steps)
+        tracker.log({"target/step": steps, "target/loss": losses[-1], "target/lr": optimizer.param_groups[0]["lr"],
+                     "target/tokens_per_s": tokens / elapsed})
     bar.close()
     model.eval()
     seconds = time.perf_counter() - t0

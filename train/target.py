@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from schemafill import atomic
@@ -29,7 +30,7 @@ from schemafill.config import PipelineConfig, to_dict
 from schemafill.device import resolve_device
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, write_manifest
 from schemafill.generate import generate
-from schemafill.models import load_config, target_dir
+from schemafill.models import load_config, load_model, load_tokenizer, target_dir
 from schemafill.prompt import prompt_ids
 from schemafill.records import read_requests
 from schemafill.toolcall import ToolRequest
@@ -135,6 +136,11 @@ def check_weights(cfg: PipelineConfig) -> dict:
 def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
     if not cfg.model.finetune:
         return check_weights(cfg)
+    from accelerate import PartialState
+
+    if PartialState().num_processes > 1:
+        raise RuntimeError("the `target` stage fine-tunes in one process; run it without `accelerate launch` "
+                           "(or with --num_processes 1), then launch the later stages")
     out = target_dir(cfg.model, cfg.paths.artifacts)
     train_file = Path(cfg.paths.artifacts) / "requests" / "train.jsonl"
     eval_file = Path(cfg.paths.artifacts) / "requests" / "bfcl450.jsonl"
@@ -149,12 +155,10 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
         print(f"[target] up to date in {out} (fingerprint {fp})")
         return {**result, "cached": True}
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     base = convert_gguf(locate_gguf(cfg.model.source, cfg.model.gguf_file),
                         Path(cfg.paths.artifacts) / "targets" / f"{cfg.model.name}-base")
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base).to(resolve_device())
+    tokenizer = load_tokenizer(str(base))
+    model = load_model(str(base), torch.float32, resolve_device())  # fp32 master weights; autocast trains in bf16
     train_requests, _ = read_requests(train_file)
     examples, data_stats = build_examples(train_requests, tokenizer, cfg.model, cfg.train.target, cfg.seed)
     print(f"[target] SFT data: {data_stats}")

@@ -133,11 +133,12 @@ class Eagle3Head(nn.Module):
 
     def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
                     horizons: int) -> list[torch.Tensor]:
-        """Training-time test over ``horizons`` steps; returns draft logits per step.
+        """Training-time test over ``horizons`` steps; returns each step's output hidden state.
 
         input_ids: [B, T] target tokens x; aux: [B, T, 3·Ht] target features at each
-        position; valid: [B, T] real (non-pad) tokens, right-padded. Step k's logits at t
-        predict x[t+2+k].
+        position; valid: [B, T] real (non-pad) tokens, right-padded. ``logits`` of step k's
+        output at t predict x[t+2+k]; they are left to the caller, which needs them only
+        at the few positions that carry loss (the LM head is most of the head's cost).
         """
         b, t = input_ids.shape
         dtype = aux.dtype
@@ -146,7 +147,7 @@ class Eagle3Head(nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
         step0 = causal[None] & valid[:, None, :]  # [B, T, T]
         diag = torch.eye(t, dtype=torch.bool, device=input_ids.device).expand(b, t, t)
-        keys, values, out_logits = [], [], []
+        keys, values, outputs = [], [], []
         for k in range(horizons):
             ids = torch.roll(input_ids, shifts=-(1 + k), dims=1)  # x[t+1+k] (wrapped tail is masked by callers)
             cos, sin = self.rotary(positions + k, dtype)
@@ -156,8 +157,8 @@ class Eagle3Head(nn.Module):
             visible = torch.cat([step0] + [diag] * k, dim=-1)  # [B, T, T*(k+1)]
             attn = attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), visible)
             hidden = self.midlayer.finish(hidden, attn)
-            out_logits.append(self.logits(hidden))
-        return out_logits
+            outputs.append(hidden)
+        return outputs
 
 
 def _drop_embeddings(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:

@@ -3,7 +3,7 @@
 Used where throughput over many requests matters more than per-request latency: the
 target's continuations of the training pool and quick quality checks. Prompts are sorted
 by length and left-padded into batches; each row stops on its own (``ResponseStop``).
-Decoding for evaluation uses the project's runtime instead, one request at a time.
+Timed, per-request decoding for evaluation belongs to the inference runtime, not here.
 """
 
 from __future__ import annotations

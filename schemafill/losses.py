@@ -10,6 +10,7 @@ be right and the renormalised label would be meaningless). Loss = Î£_k decay^k Â
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,25 +24,26 @@ class TTTResult:
     step_count: list[int]  # positions with loss per step
 
 
-def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, target_argmax: torch.Tensor,
-             loss_mask: torch.Tensor, t2d: torch.Tensor, draft_to_target: torch.Tensor,
-             decay: float) -> TTTResult:
-    """step_logits[k]: [B, T, Vd]; target_logits: [B, T, Vd] (target logits at draft ids);
-    target_argmax: [B, T] target ids; loss_mask: [B, T] 1 on response tokens; t2d: [V] bool;
-    draft_to_target: [Vd] target id of each draft id."""
+def ttt_loss(step_outputs: list[torch.Tensor], logits_fn: Callable[[torch.Tensor], torch.Tensor],
+             target_logits: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch.Tensor,
+             t2d: torch.Tensor, draft_to_target: torch.Tensor, decay: float) -> TTTResult:
+    """step_outputs[k]: [B, T, D] the head's step-k outputs; logits_fn maps [N, D] -> [N, Vd]
+    (applied only at positions with loss); target_logits: [B, T, Vd] (target logits at draft
+    ids); target_argmax: [B, T] target ids; loss_mask: [B, T] 1 on response tokens;
+    t2d: [V] bool; draft_to_target: [Vd] target id of each draft id."""
     t = target_logits.shape[1]
     # zero but attached to the graph: a batch without loss positions still backpropagates
     # (distributed ranks must all call backward) and simply contributes nothing
-    total = step_logits[0].sum() * 0.0
+    total = step_outputs[0].sum() * 0.0
     step_loss, step_correct, step_count = [], [], []
-    for k, logits in enumerate(step_logits):
+    for k, outputs in enumerate(step_outputs):
         n = t - 2 - k  # positions t whose predicted token x[t+2+k] lies inside the sequence
         if n <= 0:
             step_loss.append(0.0)
             step_correct.append(0)
             step_count.append(0)
             continue
-        head = logits[:, :n]  # [B, n, Vd]
+        head = outputs[:, :n]  # [B, n, D]
         label = target_logits[:, 1 + k:1 + k + n]  # [B, n, Vd]
         greedy = target_argmax[:, 1 + k:1 + k + n]  # [B, n]
         mask = loss_mask[:, 2 + k:2 + k + n].bool() & t2d[greedy]  # [B, n]
@@ -52,10 +54,11 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, targe
             step_count.append(0)
             continue
         soft = F.softmax(label[mask].float(), dim=-1)  # [N, Vd]
-        logp = F.log_softmax(head[mask].float(), dim=-1)  # [N, Vd]
+        logits = logits_fn(head[mask])  # [N, Vd]
+        logp = F.log_softmax(logits.float(), dim=-1)
         loss_k = -(soft * logp).sum(-1).mean()
         total = total + decay ** k * loss_k
-        predicted = draft_to_target[head[mask].argmax(-1)]
+        predicted = draft_to_target[logits.argmax(-1)]
         step_loss.append(loss_k.item())
         step_correct.append(int((predicted == greedy[mask]).sum()))
         step_count.append(count)

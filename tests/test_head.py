@@ -40,16 +40,16 @@ def test_step0_is_causal_and_later_steps_see_only_their_diagonal():
     ids = torch.randint(0, 50, (1, 8))
     aux = torch.randn(1, 8, 48)
     valid = torch.ones(1, 8, dtype=torch.bool)
-    base = head.ttt_forward(ids, aux, valid, horizons=3)
+    base = [head.logits(o) for o in head.ttt_forward(ids, aux, valid, horizons=3)]
     # changing the feature at position 5 leaves every step's outputs before position 5 unchanged
     aux2 = aux.clone()
     aux2[0, 5] += 1.0
-    changed = head.ttt_forward(ids, aux2, valid, horizons=3)
+    changed = [head.logits(o) for o in head.ttt_forward(ids, aux2, valid, horizons=3)]
     for k in range(3):
         assert torch.allclose(base[k][0, :5], changed[k][0, :5], atol=1e-6)
         assert not torch.allclose(base[k][0, 5], changed[k][0, 5])
     # step 0 equals a plain causal run on the prefix alone
-    short = head.ttt_forward(ids[:, :4], aux[:, :4], valid[:, :4], horizons=1)
+    short = [head.logits(o) for o in head.ttt_forward(ids[:, :4], aux[:, :4], valid[:, :4], horizons=1)]
     assert torch.allclose(short[0][0, :3], base[0][0, :3], atol=1e-5)
 
 
@@ -58,7 +58,7 @@ def test_step_k_uses_the_heads_own_previous_output():
     head = tiny_head(1)
     ids = torch.randint(0, 50, (1, 6))
     aux = torch.randn(1, 6, 48)
-    out = head.ttt_forward(ids, aux, torch.ones(1, 6, dtype=torch.bool), horizons=2)
+    out = [head.logits(o) for o in head.ttt_forward(ids, aux, torch.ones(1, 6, dtype=torch.bool), horizons=2)]
     # Reference: drafting like inference, for position t=2: keys of step 0 at positions 0..2, then one new token
     layer, t = head.midlayer, 2
     pos = torch.arange(6)[None]
@@ -89,7 +89,8 @@ def test_ttt_loss_literal_masks_and_accuracy():
     head0[0, :, 1] = 5.0  # right at every position
     head1 = torch.zeros(1, 5, 3)
     head1[0, :, 0] = 5.0  # wrong at every position
-    res = ttt_loss([head0, head1], target_logits, target_argmax, loss_mask, t2d, draft_to_target, decay=0.8)
+    res = ttt_loss([head0, head1], lambda x: x, target_logits, target_argmax, loss_mask, t2d, draft_to_target,
+                   decay=0.8)
     # step 0: t in 0..2 predicts x[t+2] in {2,3,4} (all response); label at t+1 in {1,2,3}; position 3 masked
     assert res.step_count == [2, 1] and res.step_correct == [2, 0]
     assert res.step_loss[0] < 0.02 and res.step_loss[1] > 4.0
@@ -112,5 +113,5 @@ def test_export_round_trip(tmp_path):
     ids, aux = torch.randint(0, 50, (1, 7)), torch.randn(1, 7, 48)
     valid = torch.ones(1, 7, dtype=torch.bool)
     for a, b in zip(head.ttt_forward(ids, aux, valid, 2), back.ttt_forward(ids, aux, valid, 2)):
-        assert torch.equal(a, b)
+        assert torch.equal(head.logits(a), back.logits(b))
     assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)

@@ -132,8 +132,8 @@ class Batcher:
 
 def run_ttt(model: Any, head: Eagle3Head, batch: dict, horizons: int, decay: float):
     """``model`` is what runs the forward (DDP-wrapped when distributed); ``head`` the bare head."""
-    step_logits = model(batch["input_ids"], batch["aux"], batch["valid"], horizons)
-    return ttt_loss(step_logits, batch["target_logits"], batch["target_argmax"], batch["loss_mask"],
+    outputs = model(batch["input_ids"], batch["aux"], batch["valid"], horizons)
+    return ttt_loss(outputs, head.logits, batch["target_logits"], batch["target_argmax"], batch["loss_mask"],
                     head.t2d, head.draft_to_target, decay)
 
 

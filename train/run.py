@@ -9,6 +9,7 @@ rerun or resumed alone (``stages=[head]``). ``--multirun model=a,b`` sweeps targ
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,10 +42,10 @@ def check_stages(stages: list[str]) -> None:
 def run(cfg: PipelineConfig) -> dict:
     check_stages(cfg.stages)
     stages = [s for s in STAGES if s in cfg.stages]  # pipeline order, whatever order was given
-    from accelerate import PartialState
-
-    # under `accelerate launch`, one W&B run: the main process tracks, the others keep quiet
-    main = PartialState().is_main_process
+    # under `accelerate launch`, one W&B run: the main process tracks, the others keep quiet.
+    # Read the launcher's RANK rather than creating Accelerate state here: each stage sets up
+    # its own (DeepSpeed's must come from the Accelerator, not an earlier PartialState).
+    main = int(os.environ.get("RANK", "0")) == 0
     tracker = start_run(cfg.logger, to_dict(cfg), name=cfg.model.name, job_type="pipeline") if main else NullTracker()
     results: dict = {"model": cfg.model.name, "stages": {}, "seconds": {}}
     try:

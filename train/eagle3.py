@@ -138,10 +138,10 @@ def run_ttt(model: Any, head: Eagle3Head, batch: dict, horizons: int, decay: flo
 
 
 @torch.no_grad()
-def evaluate(head: Eagle3Head, batcher: Batcher, held: list[int], cfg: PipelineConfig) -> dict:
+def evaluate(head: Eagle3Head, batcher: Batcher, lengths: list[int], held: list[int], cfg: PipelineConfig) -> dict:
     head.eval()
     loss_sum, correct, count, n = 0.0, Counter(), Counter(), 0
-    for idx in batches([len(r["input_ids"]) for r in batcher.rows], held, cfg.train.head.batch_size, 0, 0):
+    for idx in batches(lengths, held, cfg.train.head.batch_size, 0, 0):
         res = run_ttt(head, head, batcher(idx), cfg.drafter.horizons, cfg.drafter.loss_decay)
         loss_sum += res.loss.item()
         n += 1
@@ -273,7 +273,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     if not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return {"process": accelerator.process_index}
-    metrics = evaluate(raw, batcher, held_idx, cfg)
+    metrics = evaluate(raw, batcher, lengths, held_idx, cfg)
     metrics.update({"train_seconds": round(train_seconds, 1), "optimizer_steps": done_steps, "epochs": hc.epochs,
                     "resumed_from_step": resumed_from,
                     "train_rows": len(train_idx), "heldout_rows": len(held_idx), "draft_vocab_size": size,

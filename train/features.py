@@ -77,7 +77,6 @@ class FeatureCache:
             bar = tqdm(total=offsets[-1], desc="target features", unit="tok", unit_scale=True, dynamic_ncols=True)
             start = 0
             while start < len(order):
-                width = len(rows[order[start]])
                 end = start + 1
                 while end < len(order) and len(rows[order[end]]) * (end - start + 1) <= batch_tokens:
                     end += 1

@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run test test-full clean
+.PHONY: help setup run test test-full bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -40,6 +40,15 @@ test: setup  ## the test suite without `slow` tests (< 10 minutes)
 
 test-full: setup  ## every test, `slow` ones included
 	WANDB_MODE=offline $(BIN)/python -m pytest -q
+
+BENCH_LIMIT ?= 0
+BENCH_METHODS ?= [ar,eagle3,eagle3_wide]
+bench: setup  ## AR vs EAGLE-3 on BFCL450, built-in target (BENCH_LIMIT=N: first N requests) -> outputs/bench/
+	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
+		limit=$(BENCH_LIMIT) out=outputs/bench
+
+gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
+	$(BIN)/python infer/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json
 
 clean:  ## remove generated outputs (keeps .venv and artifacts/)
 	rm -rf outputs multirun wandb .pytest_cache

@@ -3,14 +3,17 @@
 An EAGLE-3 head learns to predict *its target's* next tokens, so it trains on what the
 target writes, not on the corpus' answers. Every training request (plus fresh multi-call
 compositions, so the head sees multi-call responses like the evaluation sets') is
-rendered in the target's prompt format and answered greedily under the shared stopping
-rule, in left-padded batches.
+rendered in the target's prompt format and answered greedily on the inference runtime,
+under the shared stopping rule, with continuous batching and shared prompt prefixes
+(``schemafill.generate``).
 
-Resumable and scalable by construction: requests are cut into fixed shards (their
-content depends only on the request list), each shard is written atomically when done,
-finished shards are skipped on a rerun, and under ``accelerate launch --num_processes N``
-process i takes shards i, i+N, ... . The main process merges the shards once into a
-``datasets`` dataset with columns ``id, input_ids, loss_mask, prompt_len, response_text``.
+Resumable and scalable by construction: requests are sorted by prompt (so neighbours share
+prefixes) and cut into fixed shards (their content depends only on the request list and
+the tokenizer); one generation stream runs through all unfinished shards and writes each
+shard atomically the moment its last request finishes; finished shards are skipped on a
+rerun; under ``accelerate launch --num_processes N`` process i takes shards i, i+N, ... .
+The main process merges the shards once into a ``datasets`` dataset with columns
+``id, input_ids, loss_mask, prompt_len, response_text``, rows sorted by id.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from schemafill.config import PipelineConfig, to_dict
 from schemafill.device import resolve_device, resolve_dtype
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.generate import generate
-from schemafill.models import load_model, load_tokenizer, target_location
+from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
 from schemafill.prompt import prompt_ids
 from schemafill.records import read_requests
 from schemafill.toolcall import ToolRequest, parse_response
@@ -57,35 +60,66 @@ def pool(cfg: PipelineConfig) -> list[ToolRequest]:
     return requests + composed
 
 
-def shard_plan(n: int, shard_size: int) -> list[range]:
-    return [range(i, min(i + shard_size, n)) for i in range(0, n, shard_size)]
-
-
-def generate_shard(model: Any, tokenizer: Any, requests: list[ToolRequest], cfg: PipelineConfig,
-                   bar: tqdm) -> tuple[list[dict], list[dict]]:
-    """Rows for the requests that fit the context, and a skip record for those that don't."""
+def prompts_for(requests: list[ToolRequest], tokenizer: Any, cfg: PipelineConfig) -> tuple[list, dict]:
+    """Prompt ids per request (None when it is skipped) and the skip reason by request id."""
     gen = cfg.data.continuations
-    rows, skipped, prompts, kept = [], [], [], []
+    prompts: list[list[int] | None] = []
+    skipped: dict[str, str] = {}
     for r in requests:
         ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
         if len(ids) + cfg.decode.max_new_tokens > cfg.model.max_context:
-            skipped.append({"id": r.id, "reason": "prompt + response cap exceed model.max_context"})
+            skipped[r.id] = "prompt + response cap exceed model.max_context"
         elif gen.max_prompt_tokens and len(ids) > gen.max_prompt_tokens:
-            skipped.append({"id": r.id, "reason": "prompt longer than data.continuations.max_prompt_tokens"})
+            skipped[r.id] = "prompt longer than data.continuations.max_prompt_tokens"
         else:
-            kept.append(r)
             prompts.append(ids)
+            continue
+        prompts.append(None)
+    return prompts, skipped
 
-    def progress(idx: list[int], gens: list) -> None:
-        bar.update(len(idx))
-        bar.set_postfix(new_tokens=sum(len(g.ids) for g in gens))
 
-    gens = generate(model, tokenizer, prompts, cfg.decode.max_new_tokens, gen.batch_size, on_batch=progress)
-    for r, ids, g in zip(kept, prompts, gens):
-        rows.append({"id": r.id, "input_ids": ids + g.ids, "loss_mask": [0] * len(ids) + [1] * len(g.ids),
-                     "prompt_len": len(ids), "response_text": g.text, "stop": g.stop,
-                     "composed": r.source == "composed"})
-    return rows, skipped
+def shard_plan(prompts: list[list[int] | None], shard_size: int) -> list[list[int]]:
+    """Shards of request indices in prompt order (neighbours share prefixes; skipped last)."""
+    order = sorted(range(len(prompts)), key=lambda i: (prompts[i] is None, prompts[i] or []))
+    return [order[i:i + shard_size] for i in range(0, len(order), shard_size)]
+
+
+def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[ToolRequest],
+               prompts: list, skipped: dict[str, str], shards: dict[int, list[int]], work: Path,
+               cfg: PipelineConfig, bar: tqdm) -> None:
+    """Generate every request of ``shards`` in one continuously batched stream; each shard
+    is written (atomically) the moment its last request finishes."""
+    rows: dict[int, list[dict]] = {s: [] for s in shards}
+    left = {s: sum(prompts[j] is not None for j in idx) for s, idx in shards.items()}
+    stream = [(s, j) for s, idx in shards.items() for j in idx if prompts[j] is not None]
+    clock = {"last": time.perf_counter(), "tokens": 0, "start": time.perf_counter()}
+
+    def write(s: int) -> None:
+        now = time.perf_counter()
+        meta = {"skipped": [{"id": requests[j].id, "reason": skipped[requests[j].id]}
+                            for j in shards[s] if prompts[j] is None],
+                "seconds": now - clock["last"]}  # the stream's time since the previous shard
+        clock["last"] = now
+        atomic.write_jsonl(work / f"shard_{s:05d}.jsonl", [{"_meta": meta}] + rows[s])
+
+    def done(k: int, g: Any) -> None:
+        s, j = stream[k]
+        r, ids = requests[j], prompts[j]
+        rows[s].append({"id": r.id, "input_ids": ids + g.ids, "loss_mask": [0] * len(ids) + [1] * len(g.ids),
+                        "prompt_len": len(ids), "response_text": g.text, "stop": g.stop,
+                        "composed": r.source == "composed", "prefilled": g.prefilled})
+        left[s] -= 1
+        if left[s] == 0:
+            write(s)
+        clock["tokens"] += len(g.ids)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{clock['tokens'] / (time.perf_counter() - clock['start']):.1f}")
+
+    for s in shards:
+        if left[s] == 0:
+            write(s)
+    generate(target, tokenizer, [prompts[j] for _, j in stream], cfg.decode.max_new_tokens,
+             cfg.data.continuations.batch_size, eos=eos, on_done=done)
 
 
 def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
@@ -98,11 +132,12 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     target_fp = (read_manifest(location) or {}).get("fingerprint", location)
     m = cfg.model
     device = resolve_device() if state.device.type == "cpu" else state.device
-    model_key = {"source": location, "revision": m.revision, "dtype": str(resolve_dtype(m.dtype, device)),
+    dtype = resolve_dtype(m.dtype, device)
+    model_key = {"source": location, "revision": m.revision, "dtype": str(dtype),
                  "prompt_style": m.prompt_style, "chat": m.chat_template_kwargs, "max_context": m.max_context}
     fp = fingerprint({"model": model_key, "target": target_fp, "gen": to_dict(cfg.data.continuations),
                       "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
-                      "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 1})
+                      "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 2})
     if is_fresh(out, fp, OUTPUTS):
         stats = json.loads((out / "stats.json").read_text())
         if state.is_main_process:
@@ -111,30 +146,28 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
 
     work = out.parent / f".{out.name}.shards" / fp  # keyed by fingerprint: a changed input never mixes in
     work.mkdir(parents=True, exist_ok=True)
-    plan = shard_plan(len(requests), cfg.data.continuations.shard_size)
+    tokenizer = load_tokenizer(location, m.revision)
+    prompts, skipped = prompts_for(requests, tokenizer, cfg)
+    plan = shard_plan(prompts, cfg.data.continuations.shard_size)
     mine = [i for i in range(len(plan)) if i % state.num_processes == state.process_index]
     todo = [i for i in mine if not (work / f"shard_{i:05d}.jsonl").exists()]
     reused = sum((work / f"shard_{i:05d}.jsonl").exists() for i in range(len(plan)))
     if state.is_main_process:
-        print(f"[continuations] {len(requests)} requests in {len(plan)} shards ({reused} done before), "
-              f"{state.num_processes} process(es)")
+        print(f"[continuations] {len(requests)} requests ({len(skipped)} skipped) in {len(plan)} shards "
+              f"({reused} done before), {state.num_processes} process(es)")
     state.wait_for_everyone()  # everyone counted finished shards before anyone writes new ones
     t0 = time.perf_counter()
     if todo:
-        tokenizer = load_tokenizer(location, cfg.model.revision)
-        model = load_model(location, resolve_dtype(cfg.model.dtype, device), device, cfg.model.revision)
-        bar = tqdm(total=sum(len(plan[i]) for i in todo), desc=f"continuations[{state.process_index}]",
-                   unit="req", dynamic_ncols=True, position=state.process_index)
-        for i in todo:
-            t_shard = time.perf_counter()
-            rows, skipped = generate_shard(model, tokenizer, [requests[j] for j in plan[i]], cfg, bar)
-            seconds = time.perf_counter() - t_shard
-            atomic.write_jsonl(work / f"shard_{i:05d}.jsonl",
-                               [{"_meta": {"skipped": skipped, "seconds": seconds}}] + rows)
+        target = load_runtime(location, dtype, device, revision=m.revision)  # no features needed: default aux ids
+        eos = generation_eos(location, tokenizer, m.revision)
+        bar = tqdm(total=sum(prompts[j] is not None for i in todo for j in plan[i]),
+                   desc=f"continuations[{state.process_index}]", unit="req", dynamic_ncols=True,
+                   position=state.process_index)
+        run_shards(target, tokenizer, eos, requests, prompts, skipped, {i: plan[i] for i in todo}, work, cfg, bar)
         bar.close()
     state.wait_for_everyone()
     if state.is_main_process:
-        stats = merge(work, plan, out, time.perf_counter() - t0, fp, reused)
+        stats = merge(work, len(plan), len(requests), out, time.perf_counter() - t0, fp, reused)
         shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
     state.wait_for_everyone()  # no rank moves on (e.g. to the head stage) before the merge is on disk
     if not state.is_main_process:
@@ -145,17 +178,18 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     return {**stats, "cached": False}
 
 
-def merge(work: Path, plan: list[range], out: Path, wall: float, fp: str, reused: int) -> dict:
+def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: str, reused: int) -> dict:
     """All shards → one dataset (atomically) and its statistics."""
     import datasets
 
     rows, skipped, gen_seconds = [], [], 0.0
-    for i in range(len(plan)):
+    for i in range(shards):
         lines = (work / f"shard_{i:05d}.jsonl").read_text().splitlines()
         meta = json.loads(lines[0])["_meta"]
         skipped += meta["skipped"]
         gen_seconds += meta["seconds"]
         rows += [json.loads(line) for line in lines[1:]]
+    rows.sort(key=lambda r: r["id"])  # one order whatever the process count or shard timing
     n = max(len(rows), 1)
     response_tokens = sum(sum(r["loss_mask"]) for r in rows)
     reasons: dict[str, int] = {}
@@ -163,7 +197,7 @@ def merge(work: Path, plan: list[range], out: Path, wall: float, fp: str, reused
         reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
     stats = {
         "rows": len(rows),
-        "requests": sum(len(p) for p in plan),
+        "requests": requests,
         "mean_prompt_tokens": sum(r["prompt_len"] for r in rows) / n,
         "mean_response_tokens": response_tokens / n,
         "valid_json_rate": sum(parse_response(r["response_text"].strip()) is not None for r in rows) / n,
@@ -175,7 +209,8 @@ def merge(work: Path, plan: list[range], out: Path, wall: float, fp: str, reused
         "generation_seconds": round(gen_seconds, 1),  # summed over processes
         "tokens_per_s": round(response_tokens / max(gen_seconds, 1e-9), 1),
         "seconds": round(wall, 1),
-        "shards": len(plan),
+        "prompt_tokens_prefilled_share": round(sum(r["prefilled"] for r in rows) / max(sum(r["prompt_len"] for r in rows), 1), 3),
+        "shards": shards,
         "shards_reused": reused,
     }
     columns = ("id", "input_ids", "loss_mask", "prompt_len", "response_text")

@@ -150,20 +150,47 @@ class PipelineConfig:
             raise ValueError(f"unknown stage(s) {unknown}; the stages are {list(STAGES)}")
 
 
+METHODS = ("ar", "eagle3", "eagle3_wide")
+
+
+@dataclass
+class InferConfig:
+    """``python infer/run.py``: decode one requests file with several methods, side by side."""
+
+    requests: str = MISSING  # a ToolRequest JSONL file (e.g. artifacts/requests/bfcl450.jsonl)
+    methods: list[str] = field(default_factory=lambda: ["ar", "eagle3"])
+    out: str = MISSING  # folder for metrics.json and outputs/<method>.jsonl
+    head: str | None = None  # exported EAGLE-3 head; default: <artifacts>/heads/<model>
+    limit: int = 0  # decode only the first N requests (0 = all)
+    warmup: int = 1  # requests decoded (untimed) per method before timing
+    device: str = "auto"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; the methods are {list(METHODS)}")
+
+
 def register_configs() -> None:
-    """Register the schema Hydra validates ``conf/config.yaml`` against."""
+    """Register the schemas Hydra validates ``conf/config.yaml`` and ``conf/infer.yaml`` against."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="pipeline_schema", node=PipelineConfig)
+    ConfigStore.instance().store(name="infer_schema", node=InferConfig)
 
 
-def to_dataclass(cfg: DictConfig | Any) -> PipelineConfig:
+def to_dataclass(cfg: DictConfig | Any, schema: type = PipelineConfig) -> Any:
     """The composed config as dataclasses (what library code receives)."""
-    if isinstance(cfg, PipelineConfig):
+    if isinstance(cfg, schema):
         return cfg
     obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, PipelineConfig):  # composed without the schema: validate now
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PipelineConfig), cfg))
+    if not isinstance(obj, schema):  # composed without the schema: validate now
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
     return obj
 
 

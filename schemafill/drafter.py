@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,6 +127,29 @@ class Eagle3Head(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., Vd]
         return self.lm_head(self.norm(out))
+
+    def new_arena(self, capacity: int) -> Any:
+        """KV for one request's drafting (the head's single layer)."""
+        from schemafill.runtime import KVArena
+
+        c, w = self.config, self.fc.weight
+        return KVArena(1, 1, c.num_key_value_heads, capacity, c.head_dim, w.dtype, w.device)
+
+    @torch.inference_mode()
+    def decode_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    visibility: torch.Tensor, write_slots: torch.Tensor, arena: Any) -> torch.Tensor:
+        """One drafting forward over a KV arena; returns the output hidden states [B, T, H].
+
+        input_ids, positions, write_slots: [B, T]; hidden: [B, T, H] — ``fc(aux)`` for a
+        committed position (training step 0), the parent's output for a draft node (step
+        k > 0); visibility: [B, T, S] over arena slots, as in the runtime.
+        """
+        dtype = hidden.dtype
+        cos, sin = self.rotary(positions, dtype)
+        q, k, v = self.midlayer.qkv(self.embed_tokens(input_ids).to(dtype), hidden, cos, sin)
+        arena.write(0, None, write_slots, k, v)
+        keys, values = arena.read(0, None, visibility.shape[-1])
+        return self.midlayer.finish(hidden, attend(q, keys, values, visibility))
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
                 horizons: int) -> list[torch.Tensor]:

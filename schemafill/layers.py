@@ -70,8 +70,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
 
     q: [B, Hq, T, hd]; k, v: [B, Hkv, S, hd]; visible: [B, T, S] (True = may attend).
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=q.shape[1] != k.shape[1])

@@ -66,3 +66,38 @@ def load_config(source: str, revision: str | None = None) -> Any:
         return AutoConfig.from_pretrained(source, revision=revision)
     except (OSError, ValueError) as e:
         raise _offline_hint(source, e) from e
+
+
+def local_folder(source: str, revision: str | None = None) -> Path:
+    """A local folder holding ``source``'s config and safetensors (hub ids: the local cache,
+    or a download where the hub is reachable)."""
+    if Path(source).is_dir():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types; all mean "not here"
+        raise _offline_hint(source, e) from e
+
+
+def generation_eos(source: str, tokenizer: Any, revision: str | None = None) -> frozenset[int]:
+    """Every id that ends a turn for this model: the tokenizer's and its generation config's."""
+    from transformers import GenerationConfig
+
+    from schemafill.stopping import eos_token_ids
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(source, revision=revision)
+    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+        generation_config = None
+    return eos_token_ids(tokenizer, generation_config)
+
+
+def load_runtime(source: str, dtype: torch.dtype, device: torch.device, aux_layer_ids: list[int] | None = None,
+                 revision: str | None = None) -> Any:
+    """The target on the inference runtime (``schemafill.runtime.Target``)."""
+    from schemafill.runtime import load_target
+
+    return load_target(local_folder(source, revision), dtype, device, aux_layer_ids)

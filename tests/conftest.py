@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
-def compose(overrides: list[str] | None = None):
-    """The DictConfig `train/run.py` would get for these overrides."""
+def compose(overrides: list[str] | None = None, config_name: str = "config"):
+    """The DictConfig `train/run.py` (or, with config_name="infer", `infer/run.py`) would get."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -26,7 +26,7 @@ def compose(overrides: list[str] | None = None):
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides or [])
+        return hydra_compose(config_name=config_name, overrides=overrides or [])
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import torch
 
 from schemafill.callmetrics import exact_match, quality
 from schemafill.compose import compose, compositions
-from schemafill.generate import generate
+from schemafill.generate import generate, prefix_order
 from schemafill.parser import parse_prefix
+from schemafill.runtime import from_hf_model
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolCall, ToolRequest, serialize_calls
 from tests.conftest import tiny_llama
@@ -48,10 +49,18 @@ def test_stop_waits_for_split_multibyte_characters(smol_tokenizer):
     assert stop.reason == "closed" and stop.text == text
 
 
-def test_batched_generation_equals_one_at_a_time():
+def test_continuous_batching_with_shared_prefixes_equals_transformers_greedy():
+    """Rows refilled mid-stream, prompts sharing prefixes (KV copied between rows or kept in
+    place), responses ending early or at the cap: every response equals transformers' own
+    greedy search on the same weights, and batch 1."""
     model = tiny_llama(vocab_size=300, seed=1)
+    target = from_hf_model(model, aux_layer_ids=[0, 1, 1])
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 8, 3, 9)]
+    stem = [rng.randrange(3, 300) for _ in range(7)]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 3)]
+    prompts += [stem + [rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 2, 6)] + [stem[:5], stem]
+    order = prefix_order(prompts)
+    assert order != list(range(len(prompts)))
 
     def tokenizer(eos: int):
         class Tok:  # the random model writes arbitrary ids: decode them as characters
@@ -62,14 +71,19 @@ def test_batched_generation_equals_one_at_a_time():
                 return "".join(chr(65 + i % 26) for i in ids if not (skip_special_tokens and i == eos))
         return Tok
 
-    free = generate(model, tokenizer(-1), prompts, max_new_tokens=12, batch_size=5)
-    eos = free[0].ids[2]  # row 0 (and maybe others) stops early: rows leave the batch mid-way
-    batched = generate(model, tokenizer(eos), prompts, max_new_tokens=12, batch_size=5)
-    single = [generate(model, tokenizer(eos), [p], max_new_tokens=12, batch_size=1)[0] for p in prompts]
+    free = generate(target, tokenizer(-1), prompts, max_new_tokens=12, batch_size=3)
+    eos = free[0].ids[2]  # row 0 (and maybe others) stops early: rows are refilled mid-way
+    ordered = generate(target, tokenizer(eos), [prompts[i] for i in order], max_new_tokens=12, batch_size=3)
+    batched = [None] * len(prompts)
+    for i, g in zip(order, ordered):
+        batched[i] = g
+    single = [generate(target, tokenizer(eos), [p], max_new_tokens=12, batch_size=1)[0] for p in prompts]
     assert [g.ids for g in batched] == [g.ids for g in single]
     assert batched[0].stop == "eos" and len(batched[0].ids) <= 3
     assert any(g.stop == "length" for g in batched)
-    for p, g in zip(prompts, single):  # and equal to transformers' own greedy search
+    assert sum(g.prefilled for g in batched) < sum(map(len, prompts))  # prefixes were shared
+    assert all(g.prefilled == len(p) for g, p in zip(single, prompts))
+    for p, g in zip(prompts, batched):  # and equal to transformers' own greedy search
         ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, eos_token_id=None,
                              pad_token_id=0)[0, len(p):].tolist()
         cut = ref.index(eos) + 1 if eos in ref else len(ref)

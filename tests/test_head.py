@@ -115,3 +115,26 @@ def test_export_round_trip(tmp_path):
     for a, b in zip(head.ttt_forward(ids, aux, valid, 2), back.ttt_forward(ids, aux, valid, 2)):
         assert torch.equal(head.logits(a), back.logits(b))
     assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
+
+
+def test_drafting_over_the_arena_reproduces_training_time_test():
+    """decode_step with KV reproduces ttt_forward: step 0 over committed positions, then a
+    step-1 node per position fed with its step-0 output, seeing committed keys up to its
+    position and itself — the geometry the head was trained under."""
+    head = tiny_head(seed=3)
+    t = 9
+    ids, aux = torch.randint(0, 50, (1, t)), torch.randn(1, t, 48)
+    with torch.no_grad():
+        step0, step1 = head.ttt_forward(ids, aux, torch.ones(1, t, dtype=torch.bool), horizons=2)
+    arena = head.new_arena(32)
+    pos = torch.arange(t - 1)[None]
+    visible = torch.ones(t - 1, t - 1, dtype=torch.bool).tril()[None]
+    out0 = head.decode_step(ids[:, 1:], head.fc(aux[:, :-1]), pos, visible, pos, arena)
+    assert torch.allclose(out0, step0[:, :-1], atol=1e-5)
+    for p in range(t - 2):  # one draft node at a time, in a scratch slot past the committed ones
+        visible = torch.zeros(1, 1, 20, dtype=torch.bool)
+        visible[0, 0, :p + 1] = True
+        visible[0, 0, 19] = True
+        node = head.decode_step(ids[:, p + 2:p + 3], out0[:, p:p + 1], torch.tensor([[p + 1]]), visible,
+                                torch.tensor([[19]]), arena)
+        assert torch.allclose(node[0, 0], step1[0, p], atol=1e-5), p

@@ -29,10 +29,12 @@ from schemafill.callmetrics import quality
 from schemafill.config import PipelineConfig, to_dict
 from schemafill.device import resolve_device
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, write_manifest
-from schemafill.generate import generate
+from schemafill.generate import generate, prefix_order
 from schemafill.models import load_config, load_model, load_tokenizer, target_dir
 from schemafill.prompt import prompt_ids
 from schemafill.records import read_requests
+from schemafill.runtime import from_hf_model
+from schemafill.stopping import eos_token_ids
 from schemafill.toolcall import ToolRequest
 from train.sft import build_examples, finetune
 
@@ -106,8 +108,13 @@ def measure_quality(model: Any, tokenizer: Any, requests: list[ToolRequest], cfg
         prompts.append(ids)
     bar = tqdm(total=len(prompts), desc="quality (greedy)", unit="req", dynamic_ncols=True)
     t0 = time.perf_counter()
-    gens = generate(model, tokenizer, prompts, cfg.decode.max_new_tokens, cfg.train.target.quality_batch_size,
-                    on_batch=lambda idx, _: bar.update(len(idx)))
+    order = prefix_order(prompts)
+    ordered = generate(from_hf_model(model, cfg.model.aux_layer_ids), tokenizer, [prompts[i] for i in order],
+                       cfg.decode.max_new_tokens, cfg.train.target.quality_batch_size,
+                       eos=eos_token_ids(tokenizer, model.generation_config), on_done=lambda *_: bar.update(1))
+    gens = [None] * len(prompts)
+    for i, g in zip(order, ordered):
+        gens[i] = g
     bar.close()
     q = quality(kept, [g.text for g in gens])
     q.update({

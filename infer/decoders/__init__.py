@@ -1,0 +1,17 @@
+"""Decoders: each turns one prompt into the target's greedy response, counting target calls.
+
+Every decoder here is lossless at temperature 0 (DESIGN §3): its tokens equal AR's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Decoded:
+    ids: list[int]  # response tokens
+    text: str
+    stop: str  # closed | eos | length
+    target_calls: int  # prefill counts as one
+    nodes: list[int] = field(default_factory=list)  # draft nodes per verification

@@ -1,0 +1,18 @@
+"""Autoregressive greedy decoding: one token per target call (the baseline)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infer.decoders import Decoded
+from infer.session import MainSession
+from schemafill.runtime import Target
+from schemafill.stopping import ResponseStop
+
+
+def decode_ar(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens: int, eos: frozenset[int]) -> Decoded:
+    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens), scratch=0)
+    s.prefill()
+    while not s.done:
+        s.verify([], [])
+    return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls, nodes=s.nodes)

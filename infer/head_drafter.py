@@ -1,0 +1,137 @@
+"""EAGLE-3 drafting: the head's own KV and its dynamic draft tree (EAGLE-2's expansion).
+
+Per round, first the head catches up on the positions the target committed since the last
+round, with the target's real features (training step 0): for each new position p the
+pair (token p+1, ``fc(aux[p])``) at position p, written to head slot p. The last one
+predicts the first draft level. Then the tree grows ``depth - 1`` levels: the ``topk``
+most probable frontier nodes (by cumulative log-probability) are fed back with their
+parent's output hidden state (training steps k > 0), each seeing the committed head KV and
+its own ancestors only, and each proposes ``topk`` children. Finally the ``total`` best
+nodes overall become the draft; cumulative scores never grow along a path, so that set is
+closed under ancestors.
+
+Scratch head slots start right after the committed ones and are overwritten by the next
+catch-up; nothing drafted ever enters the committed head KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infer.tree import ROOT
+from schemafill.drafter import Eagle3Head, load_head
+from schemafill.runtime import Target, rope_tables
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    topk: int  # children per expanded node, and frontier width
+    depth: int  # levels of the draft tree
+    total: int  # draft nodes sent to verification
+
+    def __post_init__(self) -> None:
+        if min(self.topk, self.depth, self.total) < 1:
+            raise ValueError(f"tree budget must be positive, got {self}")
+
+
+# the two named presets of issue #6
+SCHEMAFILL_BUDGET = TreeBudget(topk=3, depth=2, total=8)  # the paper's: 8 draft tokens, top-k 3
+EAGLE_DEFAULTS = TreeBudget(topk=10, depth=5, total=60)  # EAGLE's published defaults
+
+
+class HeadDrafter:
+    def __init__(self, head: Eagle3Head, budget: TreeBudget) -> None:
+        self.head, self.budget = head, budget
+        self.device = head.fc.weight.device
+        self.draft_to_target = head.draft_to_target.tolist()
+        self.arena = None
+        self.done = 0  # head KV holds positions [0, done)
+
+    def start(self, capacity: int) -> None:
+        """A new request: at most ``capacity`` committed positions."""
+        b = self.budget
+        self.arena = self.head.new_arena(capacity + b.topk * max(b.depth - 1, 0) + 1)
+        self.done = 0
+
+    @torch.inference_mode()
+    def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
+        """tokens: prompt + committed (last one pending); new_aux: [M, 3H] target features of
+        the M newest committed positions (those the head has not seen)."""
+        head, dev, b = self.head, self.device, self.budget
+        h, m = self.done, new_aux.shape[0]
+        n = h + m  # positions with target features; the pending token sits at position n
+        if n != len(tokens) - 1:
+            raise ValueError(f"features for {n} positions but {len(tokens) - 1} committed tokens")
+        pos = torch.arange(h, n, device=dev)[None]  # [1, M]
+        visible = torch.arange(n, device=dev)[None, None, :] <= pos[..., None]  # [1, M, n]
+        hidden = head.fc(new_aux.to(head.fc.weight.dtype))[None]  # [1, M, H]
+        out = head.decode_step(torch.tensor(tokens[h + 1:n + 1], device=dev)[None], hidden, pos, visible, pos,
+                               self.arena)
+        self.done = n
+
+        # candidates: token, parent, cumulative log-prob; fed nodes get a scratch slot and an output
+        tok, parent, score = [], [], []
+        fed_slot: dict[int, int] = {}
+        out_of: dict[int, torch.Tensor] = {}  # node -> its output hidden once fed
+        root_out = out[0, -1]  # [H]
+
+        def expand(parents_: list[int], outs: torch.Tensor, base: list[float]) -> list[int]:
+            logp = torch.log_softmax(head.logits(outs).float(), dim=-1)  # [F, Vd]
+            top = logp.topk(min(b.topk, logp.shape[-1]), dim=-1)
+            new = []
+            for f, p in enumerate(parents_):
+                for lp, d in zip(top.values[f].tolist(), top.indices[f].tolist()):
+                    new.append(len(tok))
+                    tok.append(self.draft_to_target[d])
+                    parent.append(p)
+                    score.append(base[f] + lp)
+            return new
+
+        frontier = expand([ROOT], root_out[None], [0.0])
+        slot = n + 1
+        for d in range(1, b.depth):
+            f_nodes = sorted(frontier, key=lambda i: (-score[i], i))[: b.topk]
+            span = slot + len(f_nodes)
+            visible = torch.zeros(1, len(f_nodes), span, dtype=torch.bool, device=dev)
+            visible[..., :n] = True
+            for j, i in enumerate(f_nodes):
+                fed_slot[i] = slot + j
+                a = i
+                while a != ROOT:
+                    visible[0, j, fed_slot[a]] = True
+                    a = parent[a]
+            ins = torch.stack([root_out if parent[i] == ROOT else out_of[parent[i]] for i in f_nodes])[None]
+            outs = head.decode_step(torch.tensor([tok[i] for i in f_nodes], device=dev)[None], ins,
+                                    torch.full((1, len(f_nodes)), n - 1 + d, device=dev), visible,
+                                    torch.arange(slot, span, device=dev)[None], self.arena)[0]  # [F, H]
+            for j, i in enumerate(f_nodes):
+                out_of[i] = outs[j]
+            slot = span
+            frontier = expand(f_nodes, outs, [score[i] for i in f_nodes])
+
+        chosen: set[int] = set()
+        for i in sorted(range(len(tok)), key=lambda i: (-score[i], i)):
+            if len(chosen) == b.total:
+                break
+            if parent[i] == ROOT or parent[i] in chosen:
+                chosen.add(i)
+        keep = sorted(chosen)  # creation order is topological
+        index = {i: j for j, i in enumerate(keep)}
+        return [tok[i] for i in keep], [ROOT if parent[i] == ROOT else index[parent[i]] for i in keep]
+
+
+def load_runtime_head(folder: str | Path, target: Target) -> Eagle3Head:
+    """An exported head, attached to the runtime target's embeddings and rotary tables."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no EAGLE-3 head at {folder}: train one with `python train/run.py "
+                                f"stages=[continuations,head]` or pass head=<folder>")
+    head = load_head(folder, target.model.embed_tokens, *rope_tables(target.hf_config))
+    want = list(target.config.aux_layer_ids)
+    if list(head.config.aux_layer_ids) != want:
+        raise ValueError(f"head at {folder} reads target layers {head.config.aux_layer_ids}, "
+                         f"the runtime gives {want}: set model.aux_layer_ids to match")
+    return head.to(device=target.device, dtype=target.dtype).eval()

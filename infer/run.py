@@ -1,0 +1,148 @@
+"""Decode a requests file with several methods on one runtime, side by side.
+
+    python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=[ar,eagle3] out=outputs/bfcl
+
+Writes ``<out>/metrics.json`` — per method: accept_length (Σtokens/Σtarget_calls), tps
+(Σtokens/Σseconds), ar_agreement (share of requests whose tokens equal AR's), tokens,
+target_calls, seconds, requests, nodes_per_verify — and ``<out>/outputs/<method>.jsonl``
+with one line per request. Timing covers prompt rendering through stop; model loading and
+``warmup`` requests are not timed. Malformed records and requests that do not fit the
+context are named in ``<out>/skipped.jsonl`` and the rest are decoded.
+``run(cfg) -> dict`` is what tests, benchmarks and the eval stage call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from infer.decoders import Decoded
+from infer.decoders.ar import decode_ar
+from infer.decoders.eagle3 import decode_tree
+from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget, load_runtime_head
+from schemafill import atomic
+from schemafill.config import InferConfig, register_configs, to_dataclass, to_dict
+from schemafill.device import resolve_device, resolve_dtype
+from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
+from schemafill.prompt import prompt_ids
+from schemafill.records import read_requests
+from schemafill.toolcall import ToolRequest
+from schemafill.tracking import start_run
+
+
+def build_decoders(cfg: InferConfig, target, tokenizer, eos) -> dict[str, Callable[[list[int]], Decoded]]:
+    """Method name → decode(prompt ids). The head is loaded only when a method needs it."""
+    max_new = cfg.decode.max_new_tokens
+    decoders: dict[str, Callable[[list[int]], Decoded]] = {}
+    if "ar" in cfg.methods:
+        decoders["ar"] = lambda ids: decode_ar(target, tokenizer, ids, max_new, eos)
+    budgets = {"eagle3": TreeBudget(cfg.decode.topk, cfg.decode.depth, cfg.decode.total_tokens),
+               "eagle3_wide": EAGLE_DEFAULTS}
+    wanted = [m for m in cfg.methods if m in budgets]
+    if wanted:
+        folder = cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name)
+        head = load_runtime_head(folder, target)
+        for m in wanted:
+            drafter = HeadDrafter(head, budgets[m])
+            decoders[m] = (lambda d: lambda ids: decode_tree(target, tokenizer, ids, max_new, eos, d,
+                                                             scratch=d.budget.total))(drafter)
+    return {m: decoders[m] for m in cfg.methods}  # the order asked for
+
+
+def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
+    tokens = sum(len(r["output_ids"]) for r in rows)
+    calls = sum(r["target_calls"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    verifies = [n for r in rows for n in r["nodes"]]
+    agree = None if reference is None else sum(r["output_ids"] == reference[r["id"]] for r in rows) / max(len(rows), 1)
+    return {"accept_length": tokens / max(calls, 1), "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
+            "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
+            "nodes_per_verify": sum(verifies) / max(len(verifies), 1)}
+
+
+def run(cfg: InferConfig) -> dict:
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    location = target_location(cfg.model, cfg.paths.artifacts)
+    tokenizer = load_tokenizer(location, cfg.model.revision)
+    eos = generation_eos(location, tokenizer, cfg.model.revision)
+    target = load_runtime(location, resolve_dtype(cfg.model.dtype, device), device, cfg.model.aux_layer_ids,
+                          cfg.model.revision)
+
+    # ---- requests: malformed records and over-long prompts are named and skipped
+    requests, rejected = read_requests(cfg.requests)
+    skipped = [{"id": r.id, "line": r.line, "reason": r.reason} for r in rejected.items]
+    if cfg.limit > 0:
+        requests = requests[: cfg.limit]
+    kept: list[ToolRequest] = []
+    for r in requests:
+        n = len(prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))
+        if n + cfg.decode.max_new_tokens > cfg.model.max_context:
+            skipped.append({"id": r.id, "line": None, "reason": f"prompt of {n} tokens + max_new_tokens "
+                                                              f"{cfg.decode.max_new_tokens} exceed the context "
+                                                              f"({cfg.model.max_context})"})
+        else:
+            kept.append(r)
+    if skipped:
+        print(f"[infer] skipped {len(skipped)} request(s), e.g. {skipped[0]}")
+    if not kept:
+        raise ValueError(f"no decodable request in {cfg.requests} ({len(skipped)} skipped)")
+
+    # ---- decode, method by method, the same requests
+    decoders = build_decoders(cfg, target, tokenizer, eos)
+    out = Path(cfg.out)
+    outputs: dict[str, list[dict]] = {}
+    for method, decode in decoders.items():
+        for r in kept[: cfg.warmup]:
+            decode(prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))
+        rows = []
+        for r in tqdm(kept, desc=method, unit="req", dynamic_ncols=True):
+            t0 = time.perf_counter()
+            ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
+            d = decode(ids)
+            seconds = time.perf_counter() - t0
+            rows.append({"id": r.id, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
+                         "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
+                         "nodes": d.nodes})
+        outputs[method] = rows
+
+    # ---- metrics, pooled over requests
+    reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs else None
+    metrics = {m: pooled(rows, reference) for m, rows in outputs.items()}
+    for m, rows in outputs.items():
+        atomic.write_jsonl(out / "outputs" / f"{m}.jsonl", [{k: v for k, v in r.items() if k != "nodes"} for r in rows])
+    atomic.write_jsonl(out / "skipped.jsonl", skipped)
+    atomic.write_json(out / "metrics.json", metrics)
+    ar_tps = metrics.get("ar", {}).get("tps")
+    print(f"{'method':<12} {'AL':>6} {'TPS':>8} {'×AR':>6} {'agree':>6} {'nodes':>6}")
+    for m, v in metrics.items():
+        ratio = f"{v['tps'] / ar_tps:6.2f}" if ar_tps else "     -"
+        agree = f"{v['ar_agreement']:6.3f}" if v["ar_agreement"] is not None else "     -"
+        print(f"{m:<12} {v['accept_length']:6.2f} {v['tps']:8.1f} {ratio} {agree} {v['nodes_per_verify']:6.1f}")
+    print(f"[infer] wrote {out / 'metrics.json'}")
+    tracker = start_run(cfg.logger, to_dict(cfg), name=cfg.model.name, job_type="infer")
+    try:
+        tracker.summary({f"{m}/{k}": v for m, vals in metrics.items() for k, v in vals.items() if v is not None})
+    finally:
+        tracker.finish()
+    return {"metrics": metrics, "skipped": skipped, "out": str(out)}
+
+
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="infer", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run(to_dataclass(cfg, InferConfig))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

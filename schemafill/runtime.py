@@ -1,0 +1,292 @@
+"""The inference runtime: a Llama-family target forward over a preallocated KV arena.
+
+One forward serves every decoder (DESIGN §3): AR, EAGLE-3 trees, SchemaFill's shared tree,
+and the batched generation of training continuations. A call takes new tokens, their
+positions, the arena slots they are written to, and a visibility mask saying which arena
+slots each new token may attend to. New tokens are written into the arena *before*
+attention, so "which arena rows and which new tokens may I see" is one boolean mask over
+slots; a tree is just new tokens whose masks name their ancestors' slots.
+
+Families: Llama (and SmolLM2), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm). Weights
+load from Hugging Face safetensors (sharded or not) with the same parameter names, or are
+shared with an in-memory ``transformers`` model. Numerics follow ``transformers`` (norms
+and rotary tables in fp32), so fp32 logits match it tightly; SDPA on CPU (fp32) and CUDA
+(bf16) through the same code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from schemafill.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, hf: Any, aux_layer_ids: list[int] | None = None) -> "RuntimeConfig":
+        family = hf.model_type
+        if family not in FAMILIES:
+            raise ValueError(f"model_type {family!r} is not supported by the runtime; supported: {FAMILIES}")
+        layers = hf.num_hidden_layers
+        if aux_layer_ids is None:  # DESIGN §3 default: HF hidden_states[i] for i in [2, L//2, L-3]
+            aux_layer_ids = [min(2, layers - 1), layers // 2, max(layers - 3, 0)]
+        bad = [i for i in aux_layer_ids if not 0 <= i < layers]
+        if bad:
+            raise ValueError(f"aux_layer_ids {bad} outside [0, {layers}) for a {layers}-layer target")
+        return cls(
+            family=family, hidden_size=hf.hidden_size, num_layers=layers, num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            intermediate_size=hf.intermediate_size, vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps,
+            # Qwen2 always carries q/k/v biases; the others say so in `attention_bias`
+            qkv_bias=family == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            o_bias=family != "qwen2" and bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)), qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            aux_layer_ids=tuple(aux_layer_ids),
+        )
+
+
+def rope_tables(hf: Any) -> tuple[torch.Tensor, float]:
+    """``inv_freq`` and attention scaling of the target's rotary embedding (any static rope
+    type ``transformers`` knows: default, linear, llama3, yarn); the four families share it."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(hf)
+    if rotary.rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rope type {rotary.rope_type!r} depends on the sequence length; the runtime supports static ones")
+    return rotary.inv_freq.detach().float().clone(), float(rotary.attention_scaling)
+
+
+class KVArena:
+    """Preallocated keys and values: per layer ``[rows, kv_heads, capacity, head_dim]``.
+
+    A row is one independent sequence (a request); slots are positions in the arena, not
+    token positions: who owns which slot (prompt, committed, branch, scratch) is the
+    decoder's business, the arena only stores and serves them.
+    """
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.rows, self.capacity = rows, capacity
+
+    def write(self, layer: int, rows: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [B, T]; k, v: [B, Hkv, T, hd]
+        r = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
+        self.k[layer][r[:, None], :, slots] = k.transpose(1, 2)
+        self.v[layer][r[:, None], :, slots] = v.transpose(1, 2)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row ``dst`` takes row ``src``'s first ``n`` slots (a shared prompt prefix)."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+
+    def move(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Slots ``src`` of ``row`` are copied to ``dst`` (accepted scratch rows joining a
+        committed region); the source is gathered first, so overlapping moves are safe."""
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if not pairs:
+            return
+        device = self.k[0].device
+        s = torch.tensor([p[0] for p in pairs], device=device)
+        d = torch.tensor([p[1] for p in pairs], device=device)
+        for k, v in zip(self.k, self.v):
+            k[row, :, d] = k[row, :, s]
+            v[row, :, d] = v[row, :, s]
+
+    def read(self, layer: int, rows: torch.Tensor | None, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``span`` slots of the given rows: a view when all rows are read."""
+        k, v = self.k[layer][:, :, :span], self.v[layer][:, :, :span]
+        if rows is None:
+            return k, v
+        return k[rows], v[rows]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: RuntimeConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, arena: KVArena,
+                rows: torch.Tensor | None, slots: torch.Tensor, visibility: torch.Tensor,
+                spans: list[tuple[int, int]] | None) -> torch.Tensor:
+        # x: [B, T, H]; cos, sin: [B, T, hd]; slots: [B, T]; visibility: [B, T, S]
+        b, t, _ = x.shape
+        hd = self.c.head_dim
+        q = self.q_proj(x).view(b, t, -1, hd)
+        k = self.k_proj(x).view(b, t, -1, hd)
+        v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        if self.c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, Hq, T, hd]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
+        arena.write(layer, rows, slots, k, v)
+        if spans is None:
+            keys, values = arena.read(layer, rows, visibility.shape[-1])  # [B, Hkv, S, hd]
+            out = attend(q, keys, values, visibility)
+        else:  # ragged: each row reads only its own slots, straight from the arena
+            out = torch.cat([attend(q[b:b + 1], arena.k[layer][r:r + 1, :, :n], arena.v[layer][r:r + 1, :, :n],
+                                    visibility[b:b + 1, :, :n]) for b, (r, n) in enumerate(spans)])
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: RuntimeConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+
+
+class Backbone(nn.Module):
+    """Named like ``transformers``' ``model.*`` so checkpoints load without renaming."""
+
+    def __init__(self, c: RuntimeConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+@dataclass
+class Forward:
+    logits: torch.Tensor  # [B, K, V]: at ``logits_at`` (all T positions when not given)
+    aux: torch.Tensor  # [B, T, 3·H]: HF hidden_states[i] for i in aux_layer_ids, concatenated
+
+
+class Target(nn.Module):
+    """The target model as the decoders see it: ``forward(...) -> Forward``."""
+
+    def __init__(self, c: RuntimeConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                 hf_config: Any = None) -> None:
+        super().__init__()
+        self.config = c
+        self.hf_config = hf_config  # the transformers config it came from (heads are shaped from it)
+        self.model = Backbone(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(inv_freq, attention_scaling)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_arena(self, rows: int, capacity: int) -> KVArena:
+        c = self.config
+        return KVArena(c.num_layers, rows, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visibility: torch.Tensor,
+                write_slots: torch.Tensor, arena: KVArena, rows: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, spans: list[tuple[int, int]] | None = None) -> Forward:
+        """tokens, positions, write_slots: [B, T]; visibility: [B, T, S] over arena slots
+        0..S-1 (every write slot must be < S, and a token must see its own slot);
+        rows: [B] arena rows (default: rows 0..B-1); logits_at: [B, K] indices into T.
+
+        ``spans`` — one ``(arena row, slots)`` per batch row, where no token of that row sees
+        a slot at or past ``slots`` — switches attention to one call per row over just its
+        own slots. Same result; faster when rows differ in length (batched decoding), where
+        one padded call would read every row's KV up to the longest."""
+        c = self.config
+        x = self.model.embed_tokens(tokens)  # [B, T, H]
+        cos, sin = self.rotary(positions, x.dtype)
+        saved = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in c.aux_layer_ids:
+                saved[i] = x
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, arena, rows, write_slots, visibility, spans)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
+        aux = torch.cat([saved[i] for i in c.aux_layer_ids], dim=-1)
+        return Forward(logits=self.lm_head(self.model.norm(x)).float(), aux=aux)
+
+
+def _checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} missing: the runtime loads Hugging Face safetensors checkpoints")
+        state.update(load_file(str(folder / name)))
+    return state
+
+
+def _install(target: Target, state: dict[str, torch.Tensor]) -> Target:
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if target.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = target.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not k.startswith("rotary.") and not (
+        k == "lm_head.weight" and target.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match a {target.config.family} runtime: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if target.config.tie_word_embeddings:  # assign=True replaced the shared parameter: tie again
+        target.lm_head.weight = target.model.embed_tokens.weight
+    return target
+
+
+def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
+                aux_layer_ids: list[int] | None = None) -> Target:
+    """A runtime target from a local Hugging Face folder (config.json + safetensors)."""
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    hf = AutoConfig.from_pretrained(folder)
+    target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
+    state = {k: v.to(dtype) for k, v in _checkpoint_state(folder).items()}
+    return _install(target, state).to(device).eval()
+
+
+def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
+    """A runtime target sharing the parameters of an in-memory ``transformers`` model."""
+    hf = model.config
+    target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
+    state = dict(model.state_dict())
+    return _install(target, state).to(next(model.parameters()).device).eval()

@@ -1,0 +1,114 @@
+"""Lossless: every speculative decoder's tokens equal greedy AR's, and AR equals transformers.
+
+Random tiny models of each family × random prompts × drafters that are always right, always
+wrong, random, and a random-init EAGLE-3 head over its own KV.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer.decoders.ar import decode_ar
+from infer.decoders.eagle3 import decode_tree
+from infer.head_drafter import HeadDrafter, TreeBudget
+from infer.tree import ROOT
+from schemafill.drafter import Eagle3Head, HeadConfig
+from schemafill.runtime import from_hf_model, rope_tables
+from tests.test_runtime import VOCAB, hf_model
+
+
+class CharTokenizer:
+    """The random models write arbitrary ids: decode them as letters (never JSON)."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos_token_id = eos
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids if not (skip_special_tokens and i == self.eos_token_id))
+
+
+class Oracle:
+    """Knows AR's answer: proposes its next tokens as a chain, plus a wrong sibling branch."""
+
+    def __init__(self, prompt: list[int], truth: list[int], length: int) -> None:
+        self.prompt, self.truth, self.length = prompt, truth, length
+
+    def start(self, capacity: int) -> None:
+        pass
+
+    def draft(self, tokens, new_aux):
+        done = len(tokens) - len(self.prompt)
+        nxt = self.truth[done:done + self.length]
+        if not nxt:
+            return [], []
+        return nxt + [(nxt[0] + 1) % VOCAB], [ROOT] + list(range(len(nxt) - 1)) + [ROOT]
+
+
+class Wrong(Oracle):
+    """Never right: every proposed token differs from AR's at that place."""
+
+    def draft(self, tokens, new_aux):
+        done = len(tokens) - len(self.prompt)
+        nxt = self.truth[done:done + self.length] or [0]
+        return [(t + 1) % VOCAB for t in nxt], [ROOT] + list(range(len(nxt) - 1))
+
+
+class RandomTree:
+    def __init__(self, seed: int, size: int = 6) -> None:
+        self.rng, self.size = random.Random(seed), size
+
+    def start(self, capacity: int) -> None:
+        pass
+
+    def draft(self, tokens, new_aux):
+        parents = [self.rng.randrange(-1, i) for i in range(self.size)]
+        # a few draft tokens copied from the sequence so some get accepted by chance
+        return [self.rng.choice(tokens[-8:] + [self.rng.randrange(VOCAB)]) for _ in parents], parents
+
+
+def random_head(target, seed: int) -> Eagle3Head:
+    hf = target.hf_config
+    torch.manual_seed(seed)
+    c = HeadConfig.from_target(hf, draft_vocab_size=VOCAB // 2, aux_layer_ids=list(target.config.aux_layer_ids))
+    head = Eagle3Head(c, target.model.embed_tokens, *rope_tables(hf)).eval()
+    head.set_vocab(torch.tensor(sorted(random.Random(seed).sample(range(VOCAB), VOCAB // 2))))
+    return head
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_every_decoder_equals_ar_and_ar_equals_transformers(family):
+    model = hf_model(family, seed=7)
+    target = from_hf_model(model, aux_layer_ids=[1, 2, 3])
+    target.hf_config = model.config
+    rng = random.Random(1)
+    head = random_head(target, seed=5)
+    for case in range(3):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 20))]
+        free = decode_ar(target, CharTokenizer(-1), prompt, 24, frozenset())
+        with torch.no_grad():  # AR is transformers' greedy search on the same weights
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert free.ids == ref
+        assert free.target_calls == len(free.ids)  # prefill + one call per further token
+        # an EOS in the middle of the response makes every decoder stop at the same token
+        fresh = [t for i, t in enumerate(free.ids) if i >= 8 + case and t not in free.ids[:i]]
+        eos = frozenset(fresh[:1]) if case else frozenset()
+        tok = CharTokenizer(next(iter(eos)) if eos else -1)
+        ar = decode_ar(target, tok, prompt, 24, eos)
+        assert len(ar.ids) >= 8
+        drafters = {
+            "oracle": Oracle(prompt, ar.ids, 4), "wrong": Wrong(prompt, ar.ids, 3), "random": RandomTree(case),
+            "head": HeadDrafter(head, TreeBudget(topk=3, depth=3, total=8)),
+            "head_wide": HeadDrafter(head, TreeBudget(topk=4, depth=4, total=20)),
+        }
+        for name, drafter in drafters.items():
+            out = decode_tree(target, tok, prompt, 24, eos, drafter, scratch=32)
+            assert out.ids == ar.ids, (family, case, name)
+            assert out.stop == ar.stop
+            if name == "oracle":
+                assert out.target_calls < len(ar.ids) / 2  # the always-right drafter really speeds up
+            if name == "wrong":
+                assert out.target_calls == len(ar.ids)  # the always-wrong one costs exactly AR's calls

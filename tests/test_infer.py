@@ -1,0 +1,79 @@
+"""`infer/run.py` end to end on a tiny random target with a random exported head: metrics,
+outputs, lossless agreement, and bad input named and skipped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from schemafill.config import InferConfig, to_dataclass
+from schemafill.prompt import prompt_ids
+from schemafill.toolcall import ToolRequest
+from schemafill.drafter import Eagle3Head, HeadConfig, save_head
+from schemafill.runtime import load_target, rope_tables
+from tests.conftest import compose
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_target, tmp_path_factory):
+    """A random head for the tiny target, exported like stage `head` exports one."""
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 3])
+    torch.manual_seed(0)
+    c = HeadConfig.from_target(target.hf_config, draft_vocab_size=4096, aux_layer_ids=[1, 2, 3])
+    head = Eagle3Head(c, target.model.embed_tokens, *rope_tables(target.hf_config))
+    head.set_vocab(torch.arange(4096))
+    folder = tmp_path_factory.mktemp("head")
+    save_head(head, folder)
+    return folder
+
+
+def infer_cfg(tmp_path, tiny_target, tiny_head, requests, *extra) -> InferConfig:
+    return to_dataclass(compose([
+        f"requests={requests}", f"out={tmp_path / 'out'}", f"head={tiny_head}", f"model.source={tiny_target}",
+        "model.finetune=false", "model.aux_layer_ids=[1,2,3]", "decode.max_new_tokens=24", "warmup=1",
+        f"paths.artifacts={tmp_path / 'artifacts'}", *extra], config_name="infer"), InferConfig)
+
+
+def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_head, builtin_artifacts,
+                                                    smol_tokenizer):
+    from infer.run import run
+
+    lines = (builtin_artifacts / "requests" / "bfcl450.jsonl").read_text().splitlines()[:5]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines[:2] + ["{not json"] + lines[2:]) + "\n")
+    lengths = [len(prompt_ids(ToolRequest.from_dict(json.loads(x)), "plain", smol_tokenizer)) for x in lines]
+    cfg = infer_cfg(tmp_path, tiny_target, tiny_head, requests, "methods=[ar,eagle3,eagle3_wide]",
+                    f"model.max_context={max(lengths) - 1 + 24}")  # the longest prompt no longer fits
+    result = run(cfg)
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert list(metrics) == ["ar", "eagle3", "eagle3_wide"]
+    skipped = [json.loads(x) for x in (out / "skipped.jsonl").read_text().splitlines()]
+    assert any(s["line"] == 3 and "not JSON" in s["reason"] for s in skipped)
+    assert any("exceed the context" in s["reason"] for s in skipped)
+    decoded = metrics["ar"]["requests"]
+    assert 0 < decoded < 5 and decoded + len(skipped) == 6
+    for m in ("eagle3", "eagle3_wide"):
+        assert metrics[m]["ar_agreement"] == 1.0  # lossless on every request
+        assert metrics[m]["tokens"] == metrics["ar"]["tokens"]
+    assert metrics["ar"]["accept_length"] == 1.0 and metrics["ar"]["nodes_per_verify"] == 0
+    assert metrics["eagle3"]["nodes_per_verify"] <= 8 < metrics["eagle3_wide"]["nodes_per_verify"] <= 60
+    rows = [json.loads(x) for x in (out / "outputs" / "eagle3.jsonl").read_text().splitlines()]
+    assert set(rows[0]) == {"id", "text", "prompt_ids", "output_ids", "target_calls", "seconds", "stop"}
+    assert result["metrics"] == metrics
+
+
+def test_unknown_method_is_named(tmp_path, tiny_target, tiny_head):
+    with pytest.raises(Exception, match="eagle9"):
+        infer_cfg(tmp_path, tiny_target, tiny_head, tmp_path / "r.jsonl", "methods=[ar,eagle9]")
+
+
+def test_missing_head_says_how_to_make_one(tmp_path, tiny_target, builtin_artifacts):
+    from infer.run import run
+
+    requests = builtin_artifacts / "requests" / "bfcl450.jsonl"
+    cfg = infer_cfg(tmp_path, tiny_target, tmp_path / "nowhere", requests, "limit=1")
+    with pytest.raises(FileNotFoundError, match="stages=\\[continuations,head\\]"):
+        run(cfg)

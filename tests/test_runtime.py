@@ -1,0 +1,160 @@
+"""The runtime against ``transformers`` on random tiny models of each family (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemafill.runtime import from_hf_model, load_target
+
+VOCAB = 512
+
+
+def hf_model(family: str, seed: int = 0, **overrides):
+    import transformers as tf
+
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    tie_word_embeddings=False, rope_theta=10000.0, attn_implementation="eager")
+    if family == "qwen3":
+        settings["head_dim"] = 24  # Qwen3 decouples head_dim from hidden/heads
+    config_cls, model_cls = classes[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**settings, **overrides})).eval()
+    with torch.no_grad():  # random biases and norm weights, so a missing one would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def causal(target, ids: torch.Tensor, capacity: int = 64):
+    b, t = ids.shape
+    arena = target.new_arena(b, capacity)
+    pos = torch.arange(t).expand(b, t)
+    vis = torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t)
+    return target(ids, pos, vis, pos, arena), arena
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_logits_and_aux_match_transformers(family, tmp_path):
+    model = hf_model(family)
+    model.save_pretrained(tmp_path)
+    target = load_target(tmp_path, torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 4])
+    ids = torch.randint(0, VOCAB, (2, 17))
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True)
+    out, _ = causal(target, ids)
+    assert torch.allclose(out.logits, ref.logits, atol=1e-4), (out.logits - ref.logits).abs().max()
+    want = torch.cat([ref.hidden_states[i] for i in (1, 2, 4)], dim=-1)
+    assert torch.allclose(out.aux, want, atol=1e-4)
+
+
+def test_llama3_rope_scaling_and_tied_embeddings_match(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    model = hf_model("llama", tie_word_embeddings=True, rope_scaling=scaling, attention_bias=True)
+    target = from_hf_model(model, aux_layer_ids=[0, 1, 2])
+    assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, VOCAB, (1, 40))
+    pos = torch.arange(100, 140)[None]  # far positions, where llama3 scaling matters
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos).logits
+    arena = target.new_arena(1, 40)
+    vis = torch.ones(40, 40, dtype=torch.bool).tril()[None]
+    out = target(ids, pos, vis, torch.arange(40)[None], arena)
+    assert torch.allclose(out.logits, ref, atol=1e-4)
+
+
+def test_incremental_decode_equals_one_pass():
+    """Prefill then one token at a time through the arena = one causal pass."""
+    target = from_hf_model(hf_model("qwen2", seed=1))
+    ids = torch.randint(0, VOCAB, (1, 12))
+    full, _ = causal(target, ids)
+    arena = target.new_arena(1, 32)
+    vis = torch.ones(8, 8, dtype=torch.bool).tril()[None]
+    target(ids[:, :8], torch.arange(8)[None], vis, torch.arange(8)[None], arena)
+    for t in range(8, 12):
+        step = target(ids[:, t:t + 1], torch.tensor([[t]]), torch.ones(1, 1, t + 1, dtype=torch.bool),
+                      torch.tensor([[t]]), arena)
+        assert torch.allclose(step.logits[0, 0], full.logits[0, t], atol=1e-4)
+
+
+def test_branching_tree_matches_separate_causal_runs():
+    """A tree of new tokens scattered over non-contiguous slots: each node's logits equal the
+    causal run of its root-to-node path, and no branch sees a sibling."""
+    target = from_hf_model(hf_model("qwen3", seed=2))
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    # tree over the prompt: node -> parent (-1 = the prompt's last token)
+    parents = [-1, 0, 0, 1, 2, -1, 5]
+    tokens = torch.randint(0, VOCAB, (len(parents),))
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    arena = target.new_arena(1, 40)
+    vis = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+    target(prompt, torch.arange(6)[None], vis, torch.arange(6)[None], arena)
+    slots = torch.tensor([30, 11, 25, 17, 9, 20, 33])  # scratch slots in no particular order
+    n = len(parents)
+    visible = torch.zeros(n, 40, dtype=torch.bool)
+    visible[:, :6] = True
+    for i in range(n):
+        j = i
+        while j >= 0:
+            visible[i, slots[j]] = True
+            j = parents[j]
+    out = target(tokens[None], torch.tensor([6 + d for d in depth])[None], visible[None], slots[None], arena)
+    for i in range(n):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, int(tokens[j]))
+            j = parents[j]
+        ref, _ = causal(target, torch.cat([prompt[0], torch.tensor(path)])[None])
+        assert torch.allclose(out.logits[0, i], ref.logits[0, -1], atol=1e-4), i
+
+
+def test_batched_rows_and_logits_at():
+    """Rows of different lengths in one call, logits gathered per row, rows addressed by index."""
+    target = from_hf_model(hf_model("mistral", seed=3))
+    a, b = torch.randint(0, VOCAB, (9,)), torch.randint(0, VOCAB, (5,))
+    arena = target.new_arena(3, 16)
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    ids[0], ids[1, :5] = a, b
+    lens = torch.tensor([9, 5])
+    pos = torch.arange(9).expand(2, 9)
+    vis = torch.ones(9, 9, dtype=torch.bool).tril()[None] & (torch.arange(9) < lens[:, None])[:, None, :]
+    out = target(ids, pos, vis, pos, arena, rows=torch.tensor([2, 0]), logits_at=(lens - 1)[:, None])
+    for row, seq in ((0, a), (1, b)):
+        ref, _ = causal(target, seq[None])
+        assert torch.allclose(out.logits[row, 0], ref.logits[0, -1], atol=1e-4)
+    assert arena.k[0][1].abs().sum() == 0  # arena row 1 was never written
+
+
+def test_unsupported_family_is_named():
+    from transformers import GPT2Config
+
+    from schemafill.runtime import RuntimeConfig
+
+    with pytest.raises(ValueError, match="gpt2"):
+        RuntimeConfig.from_hf(GPT2Config())
+
+
+def test_ragged_spans_equal_one_padded_call():
+    target = from_hf_model(hf_model("llama", seed=4))
+    arena = target.new_arena(3, 20)
+    lens = [12, 4, 9]
+    for r, n in enumerate(lens):  # prefill rows of different lengths
+        ids = torch.randint(0, VOCAB, (1, n))
+        pos = torch.arange(n)[None]
+        target(ids, pos, torch.ones(n, n, dtype=torch.bool).tril()[None], pos, arena, rows=torch.tensor([r]))
+    step = torch.randint(0, VOCAB, (2, 1))
+    pos = torch.tensor([[12], [9]])
+    visible = torch.arange(13)[None, None, :] <= pos[..., None]  # [2, 1, 13]
+    rows = torch.tensor([0, 2])
+    import copy
+    other = copy.deepcopy(arena)
+    padded = target(step, pos, visible, pos, arena, rows=rows)
+    ragged = target(step, pos, visible, pos, other, rows=rows, spans=[(0, 13), (2, 10)])
+    assert torch.allclose(padded.logits, ragged.logits, atol=1e-5)

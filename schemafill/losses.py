@@ -25,13 +25,15 @@ class TTTResult:
 
 
 def ttt_loss(step_outputs: list[torch.Tensor], logits_fn: Callable[[torch.Tensor], torch.Tensor],
-             target_logits: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch.Tensor,
-             t2d: torch.Tensor, draft_to_target: torch.Tensor, decay: float) -> TTTResult:
-    """step_outputs[k]: [B, T, D] the head's step-k outputs; logits_fn maps [N, D] -> [N, Vd]
-    (applied only at positions with loss); target_logits: [B, T, Vd] (target logits at draft
-    ids); target_argmax: [B, T] target ids; loss_mask: [B, T] 1 on response tokens;
-    t2d: [V] bool; draft_to_target: [Vd] target id of each draft id."""
-    t = target_logits.shape[1]
+             target_final: torch.Tensor, target_logits_fn: Callable[[torch.Tensor], torch.Tensor],
+             target_argmax: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor, draft_to_target: torch.Tensor,
+             decay: float) -> TTTResult:
+    """step_outputs[k]: [B, T, D] the head's step-k outputs; logits_fn maps [N, D] -> [N, Vd];
+    target_final: [B, T, Ht] the target's final hidden states, mapped by target_logits_fn
+    [N, Ht] -> [N, Vd] to its logits at the draft ids (both LM heads run only at positions
+    with loss: most tokens are prompt); target_argmax: [B, T] target ids; loss_mask: [B, T]
+    1 on response tokens; t2d: [V] bool; draft_to_target: [Vd] target id of each draft id."""
+    t = target_final.shape[1]
     # zero but attached to the graph: a batch without loss positions still backpropagates
     # (distributed ranks must all call backward) and simply contributes nothing
     total = step_outputs[0].sum() * 0.0
@@ -44,7 +46,7 @@ def ttt_loss(step_outputs: list[torch.Tensor], logits_fn: Callable[[torch.Tensor
             step_count.append(0)
             continue
         head = outputs[:, :n]  # [B, n, D]
-        label = target_logits[:, 1 + k:1 + k + n]  # [B, n, Vd]
+        label = target_final[:, 1 + k:1 + k + n]  # [B, n, Ht]
         greedy = target_argmax[:, 1 + k:1 + k + n]  # [B, n]
         mask = loss_mask[:, 2 + k:2 + k + n].bool() & t2d[greedy]  # [B, n]
         count = int(mask.sum())
@@ -53,7 +55,7 @@ def ttt_loss(step_outputs: list[torch.Tensor], logits_fn: Callable[[torch.Tensor
             step_correct.append(0)
             step_count.append(0)
             continue
-        soft = F.softmax(label[mask].float(), dim=-1)  # [N, Vd]
+        soft = F.softmax(target_logits_fn(label[mask]).float(), dim=-1)  # [N, Vd]
         logits = logits_fn(head[mask])  # [N, Vd]
         logp = F.log_softmax(logits.float(), dim=-1)
         loss_k = -(soft * logp).sum(-1).mean()

@@ -189,6 +189,7 @@ class Backbone(nn.Module):
 class Forward:
     logits: torch.Tensor  # [B, K, V]: at ``logits_at`` (all T positions when not given)
     aux: torch.Tensor  # [B, T, 3·H]: HF hidden_states[i] for i in aux_layer_ids, concatenated
+    final: torch.Tensor  # [B, K, H]: the final normed hidden states the logits come from
 
 
 class Target(nn.Module):
@@ -241,7 +242,8 @@ class Target(nn.Module):
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
         aux = torch.cat([saved[i] for i in c.aux_layer_ids], dim=-1)
-        return Forward(logits=self.lm_head(self.model.norm(x)).float(), aux=aux)
+        final = self.model.norm(x)
+        return Forward(logits=self.lm_head(final).float(), aux=aux, final=final)
 
 
 def _checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:

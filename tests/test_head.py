@@ -89,7 +89,8 @@ def test_ttt_loss_literal_masks_and_accuracy():
     head0[0, :, 1] = 5.0  # right at every position
     head1 = torch.zeros(1, 5, 3)
     head1[0, :, 0] = 5.0  # wrong at every position
-    res = ttt_loss([head0, head1], lambda x: x, target_logits, target_argmax, loss_mask, t2d, draft_to_target,
+    res = ttt_loss([head0, head1], lambda x: x, target_logits, lambda x: x, target_argmax, loss_mask, t2d,
+                   draft_to_target,
                    decay=0.8)
     # step 0: t in 0..2 predicts x[t+2] in {2,3,4} (all response); label at t+1 in {1,2,3}; position 3 masked
     assert res.step_count == [2, 1] and res.step_correct == [2, 0]

@@ -35,6 +35,7 @@ from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, 
 from schemafill.fingerprint import fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.losses import ttt_loss
 from schemafill.models import load_model, load_tokenizer, target_location
+from schemafill.runtime import from_hf_model
 from schemafill.stopping import eos_token_ids
 from train.features import Features, FeatureCache, target_features
 
@@ -106,6 +107,7 @@ class Batcher:
                  vocab: torch.Tensor, max_len: int, device: torch.device) -> None:
         self.rows, self.target, self.cache = rows, target, cache
         self.aux_layer_ids, self.vocab, self.max_len, self.device = aux_layer_ids, vocab, max_len, device
+        self.draft_lm_head = target.lm_head.weight[vocab].detach()  # [Vd, Ht], gathered once
 
     def __call__(self, idx: list[int]) -> dict[str, torch.Tensor]:
         width = min(self.max_len, max(len(self.rows[i]["input_ids"]) for i in idx))
@@ -124,16 +126,20 @@ class Batcher:
             f = Features(f.aux.to(self.device), f.final.to(self.device), f.argmax.to(self.device))
         else:
             f = target_features(self.target, ids, valid.long(), self.aux_layer_ids)
-        weight = self.target.lm_head.weight[self.vocab]  # [Vd, Ht]
-        target_logits = f.final.to(weight.dtype) @ weight.T  # [B, T, Vd]
         return {"input_ids": ids, "loss_mask": loss_mask, "valid": valid, "aux": f.aux.float(),
-                "target_logits": target_logits, "target_argmax": f.argmax}
+                "target_final": f.final, "target_argmax": f.argmax}
+
+    def target_logits(self, final: torch.Tensor) -> torch.Tensor:
+        """[N, Ht] target final hidden states -> [N, Vd] its logits at the draft ids."""
+        weight = self.draft_lm_head  # [Vd, Ht]
+        return final.to(weight.dtype) @ weight.T
 
 
-def run_ttt(model: Any, head: Eagle3Head, batch: dict, horizons: int, decay: float):
+def run_ttt(model: Any, head: Eagle3Head, batcher: "Batcher", batch: dict, horizons: int, decay: float):
     """``model`` is what runs the forward (DDP-wrapped when distributed); ``head`` the bare head."""
     outputs = model(batch["input_ids"], batch["aux"], batch["valid"], horizons)
-    return ttt_loss(outputs, head.logits, batch["target_logits"], batch["target_argmax"], batch["loss_mask"],
+    return ttt_loss(outputs, head.logits, batch["target_final"], batcher.target_logits, batch["target_argmax"],
+                    batch["loss_mask"],
                     head.t2d, head.draft_to_target, decay)
 
 
@@ -142,7 +148,7 @@ def evaluate(head: Eagle3Head, batcher: Batcher, lengths: list[int], held: list[
     head.eval()
     loss_sum, correct, count, n = 0.0, Counter(), Counter(), 0
     for idx in batches(lengths, held, cfg.train.head.batch_size, 0, 0):
-        res = run_ttt(head, head, batcher(idx), cfg.drafter.horizons, cfg.drafter.loss_decay)
+        res = run_ttt(head, head, batcher, batcher(idx), cfg.drafter.horizons, cfg.drafter.loss_decay)
         loss_sum += res.loss.item()
         n += 1
         for k in range(cfg.drafter.horizons):
@@ -201,12 +207,13 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                         out.parent / ".vocab" / f"{cfg.model.name}-{fingerprint([data_fp, vocab_size, size, tokenizer.name_or_path])}.pt")
     cache = None
     if hc.feature_cache:
-        key = fingerprint([data_fp, cfg.model.aux_layer_ids, str(target.dtype), hc.max_seq_len])
+        key = fingerprint([data_fp, cfg.model.aux_layer_ids, str(target.dtype), hc.max_seq_len, "runtime"])
         folder = out.parent / ".features" / f"{cfg.model.name}-{key}"
         if not FeatureCache.exists(folder):
             if accelerator.is_main_process:
-                FeatureCache.build(folder, target, [r["input_ids"][: hc.max_seq_len] for r in rows],
-                                   cfg.model.aux_layer_ids)
+                ids = [r["input_ids"][: hc.max_seq_len] for r in rows]
+                FeatureCache.build(folder, from_hf_model(target, cfg.model.aux_layer_ids), ids,
+                                   [min(r["prompt_len"] - 1, len(x) - 1) for r, x in zip(rows, ids)])
             accelerator.wait_for_everyone()
         cache = FeatureCache(folder)
     batcher = Batcher(rows, target, cache, cfg.model.aux_layer_ids, vocab.to(accelerator.device), hc.max_seq_len,
@@ -248,7 +255,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
             if micro <= micro_done:
                 continue  # replayed by the checkpoint: the stream is deterministic, so skip it
             with accelerator.accumulate(head):
-                res = run_ttt(head, raw, batcher(idx), dc.horizons, dc.loss_decay)
+                res = run_ttt(head, raw, batcher, batcher(idx), dc.horizons, dc.loss_decay)
                 accelerator.backward(res.loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, hc.max_grad_norm)

@@ -7,12 +7,15 @@ vocabulary are recomputed cheaply), and its full-vocabulary argmax (positions wh
 falls outside the draft vocabulary carry no loss).
 
 ``FeatureCache`` stores them once on disk (fp16 memory maps) so several head epochs on a
-CPU read features instead of rerunning the target; ``online`` computes them per batch.
+CPU read features instead of rerunning the target; it runs the inference runtime with
+shared prompt prefixes computed once, and resumes when interrupted. Without the cache,
+``target_features`` computes them per batch with ``transformers``.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from schemafill import atomic
+from schemafill.generate import common_prefix
+from schemafill.runtime import Target
 
 
 @dataclass
@@ -59,47 +64,71 @@ class FeatureCache:
         return (Path(folder) / "meta.json").is_file()
 
     @staticmethod
-    def build(folder: str | Path, target: Any, rows: list[list[int]], aux_layer_ids: list[int],
-              batch_tokens: int = 8192) -> "FeatureCache":
-        """Run the target once over ``rows`` (token id lists) and store its features."""
+    def build(folder: str | Path, target: Target, rows: list[list[int]], starts: list[int],
+              save_every: int = 64) -> "FeatureCache":
+        """Run the runtime target once over ``rows`` (token id lists) and store its features.
+
+        ``final`` and ``argmax`` are computed only from ``starts[i]`` on (the position before
+        the first response token: all the loss needs); before it they stay zero. Rows run
+        in prefix order and reuse the previous row's KV and features for their common
+        prefix, so shared instructions and catalogs are computed once. Interrupted, it
+        resumes from its last progress mark (every ``save_every`` rows).
+        """
         folder = Path(folder)
         offsets = [0]
         for r in rows:
             offsets.append(offsets[-1] + len(r))
-        device = next(target.parameters()).device
         hidden = target.config.hidden_size
+        aux_dim = len(target.config.aux_layer_ids) * hidden
+        meta = {"offsets": offsets, "tokens": offsets[-1], "aux_dim": aux_dim, "hidden": hidden}
+        work = folder.parent / f".{folder.name}.partial"
+        progress = work / "progress.json"
+        resumed = progress.is_file() and json.loads((work / "meta.json").read_text()) == meta
+        if not resumed:
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            atomic.write_json(work / "meta.json", meta)
+        mode = "r+" if resumed else "w+"
+        aux = np.memmap(work / "aux.f16", dtype=np.float16, mode=mode, shape=(offsets[-1], aux_dim))
+        final = np.memmap(work / "final.f16", dtype=np.float16, mode=mode, shape=(offsets[-1], hidden))
+        argmax = np.memmap(work / "argmax.i32", dtype=np.int32, mode=mode, shape=(offsets[-1],))
+        done = json.loads(progress.read_text())["rows_done"] if resumed else 0
+
+        order = sorted(range(len(rows)), key=lambda i: rows[i])
+        dev = target.device
+        arena = target.new_arena(1, max(map(len, rows)))
+        bar = tqdm(total=len(rows), initial=done, desc="target features", unit="row", dynamic_ncols=True)
+        prev = None  # the previous row in this process: its KV is in the arena
+        for k in range(done, len(order)):
+            i = order[k]
+            row, o = rows[i], offsets[i]
+            shared = 0 if prev is None else min(common_prefix(rows[prev], row), len(row) - 1)
+            if shared:  # same tokens at the same positions: same features
+                po = offsets[prev]
+                aux[o:o + shared] = aux[po:po + shared]
+                final[o:o + shared] = final[po:po + shared]
+                argmax[o:o + shared] = argmax[po:po + shared]
+            pos = torch.arange(shared, len(row), device=dev)[None]  # [1, T]
+            visible = torch.arange(len(row), device=dev)[None, None, :] <= pos[..., None]  # [1, T, n]
+            first = max(starts[i], shared)  # logits only where the loss will look
+            f = target(torch.tensor(row[shared:], device=dev)[None], pos, visible, pos, arena,
+                       logits_at=torch.arange(first - shared, len(row) - shared, device=dev)[None])
+            aux[o + shared:o + len(row)] = f.aux[0].float().cpu().numpy().astype(np.float16)
+            final[o + first:o + len(row)] = f.final[0].float().cpu().numpy().astype(np.float16)
+            argmax[o + first:o + len(row)] = f.logits[0].argmax(-1).cpu().numpy()
+            prev = i
+            bar.update(1)
+            if (k + 1) % save_every == 0:
+                for m in (aux, final, argmax):
+                    m.flush()
+                atomic.write_json(progress, {"rows_done": k + 1})
+        bar.close()
+        for m in (aux, final, argmax):
+            m.flush()
+        del aux, final, argmax
+        progress.unlink(missing_ok=True)
         with atomic.atomic_path(folder) as tmp:
-            tmp.mkdir()
-            aux = np.memmap(tmp / "aux.f16", dtype=np.float16, mode="w+", shape=(offsets[-1], 3 * hidden))
-            final = np.memmap(tmp / "final.f16", dtype=np.float16, mode="w+", shape=(offsets[-1], hidden))
-            argmax = np.memmap(tmp / "argmax.i32", dtype=np.int32, mode="w+", shape=(offsets[-1],))
-            order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-            bar = tqdm(total=offsets[-1], desc="target features", unit="tok", unit_scale=True, dynamic_ncols=True)
-            start = 0
-            while start < len(order):
-                end = start + 1
-                while end < len(order) and len(rows[order[end]]) * (end - start + 1) <= batch_tokens:
-                    end += 1
-                idx = order[start:end]
-                width = max(len(rows[i]) for i in idx)
-                ids = torch.zeros(len(idx), width, dtype=torch.long)
-                mask = torch.zeros(len(idx), width, dtype=torch.long)
-                for b, i in enumerate(idx):
-                    ids[b, : len(rows[i])] = torch.tensor(rows[i])
-                    mask[b, : len(rows[i])] = 1
-                f = target_features(target, ids.to(device), mask.to(device), aux_layer_ids)
-                for b, i in enumerate(idx):
-                    n, o = len(rows[i]), offsets[i]
-                    aux[o:o + n] = f.aux[b, :n].float().cpu().numpy().astype(np.float16)
-                    final[o:o + n] = f.final[b, :n].float().cpu().numpy().astype(np.float16)
-                    argmax[o:o + n] = f.argmax[b, :n].cpu().numpy()
-                bar.update(int(mask.sum()))
-                start = end
-            bar.close()
-            for m in (aux, final, argmax):
-                m.flush()
-            (tmp / "meta.json").write_text(json.dumps({"offsets": offsets, "tokens": offsets[-1],
-                                                       "aux_dim": 3 * hidden, "hidden": hidden}))
+            work.rename(tmp)
         return FeatureCache(folder)
 
     def batch(self, indices: list[int], width: int) -> Features:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from infer.decoders import Decoded
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
+from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
 from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget, load_runtime_head
 from schemafill import atomic
 from schemafill.config import InferConfig, register_configs, to_dataclass, to_dict
@@ -38,22 +39,28 @@ from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
 
-def build_decoders(cfg: InferConfig, target, tokenizer, eos) -> dict[str, Callable[[list[int]], Decoded]]:
-    """Method name → decode(prompt ids). The head is loaded only when a method needs it."""
-    max_new = cfg.decode.max_new_tokens
-    decoders: dict[str, Callable[[list[int]], Decoded]] = {}
+def build_decoders(cfg: InferConfig, target, tokenizer, eos) -> dict[str, Callable[[ToolRequest, list[int]], Decoded]]:
+    """Method name → decode(request, prompt ids). The head is loaded only when a method needs it."""
+    d = cfg.decode
+    max_new = d.max_new_tokens
+    decoders: dict[str, Callable[[ToolRequest, list[int]], Decoded]] = {}
     if "ar" in cfg.methods:
-        decoders["ar"] = lambda ids: decode_ar(target, tokenizer, ids, max_new, eos)
-    budgets = {"eagle3": TreeBudget(cfg.decode.topk, cfg.decode.depth, cfg.decode.total_tokens),
-               "eagle3_wide": EAGLE_DEFAULTS}
-    wanted = [m for m in cfg.methods if m in budgets]
-    if wanted:
+        decoders["ar"] = lambda r, ids: decode_ar(target, tokenizer, ids, max_new, eos)
+    if any(m != "ar" for m in cfg.methods):
         folder = cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name)
         head = load_runtime_head(folder, target)
-        for m in wanted:
-            drafter = HeadDrafter(head, budgets[m])
-            decoders[m] = (lambda d: lambda ids: decode_tree(target, tokenizer, ids, max_new, eos, d,
-                                                             scratch=d.budget.total))(drafter)
+    budget = TreeBudget(d.topk, d.depth, d.total_tokens)
+    for m in cfg.methods:
+        if m in ("eagle3", "eagle3_wide"):
+            drafter = HeadDrafter(head, budget if m == "eagle3" else EAGLE_DEFAULTS)
+            decoders[m] = (lambda dr: lambda r, ids: decode_tree(target, tokenizer, ids, max_new, eos, dr,
+                                                                 scratch=dr.budget.total))(drafter)
+        elif m.startswith("schemafill"):
+            ablation = m.split("_")[1] if "_" in m else d.ablation
+            sf = SchemaFill(target, tokenizer, head, eos, max_new,
+                            SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
+                                             side_depth=d.side_depth))
+            decoders[m] = sf.decode
     return {m: decoders[m] for m in cfg.methods}  # the order asked for
 
 
@@ -63,9 +70,15 @@ def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
     seconds = sum(r["seconds"] for r in rows)
     verifies = [n for r in rows for n in r["nodes"]]
     agree = None if reference is None else sum(r["output_ids"] == reference[r["id"]] for r in rows) / max(len(rows), 1)
+    times: dict[str, float] = {}
+    for r in rows:
+        for k, v in r["times"].items():
+            times[k] = times.get(k, 0.0) + v
     return {"accept_length": tokens / max(calls, 1), "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
             "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
-            "nodes_per_verify": sum(verifies) / max(len(verifies), 1)}
+            "nodes_per_verify": sum(verifies) / max(len(verifies), 1),
+            "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),
+            "time_breakdown": {k: round(v, 3) for k, v in times.items()}}
 
 
 def run(cfg: InferConfig) -> dict:
@@ -102,23 +115,24 @@ def run(cfg: InferConfig) -> dict:
     outputs: dict[str, list[dict]] = {}
     for method, decode in decoders.items():
         for r in kept[: cfg.warmup]:
-            decode(prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))
+            decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))
         rows = []
         for r in tqdm(kept, desc=method, unit="req", dynamic_ncols=True):
             t0 = time.perf_counter()
             ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
-            d = decode(ids)
+            d = decode(r, ids)
             seconds = time.perf_counter() - t0
             rows.append({"id": r.id, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
                          "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
-                         "nodes": d.nodes})
+                         "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times})
         outputs[method] = rows
 
     # ---- metrics, pooled over requests
     reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs else None
     metrics = {m: pooled(rows, reference) for m, rows in outputs.items()}
     for m, rows in outputs.items():
-        atomic.write_jsonl(out / "outputs" / f"{m}.jsonl", [{k: v for k, v in r.items() if k != "nodes"} for r in rows])
+        atomic.write_jsonl(out / "outputs" / f"{m}.jsonl",
+                           [{k: v for k, v in r.items() if k not in ("nodes", "init_nodes", "times")} for r in rows])
     atomic.write_jsonl(out / "skipped.jsonl", skipped)
     atomic.write_json(out / "metrics.json", metrics)
     ar_tps = metrics.get("ar", {}).get("tps")

@@ -1,11 +1,18 @@
 """One request on the target: its KV arena, the committed MAIN stream, and tree verification.
 
-Arena layout (row 0): slots ``[0, n_kv)`` hold the prompt and the committed response in
-position order; the newest committed token is *pending* (emitted, its KV not yet
-computed) and is the root of the next verification; slots from ``n_kv`` on are scratch
-for the tree under verification. Accepted nodes are moved down to the committed region,
-rejected ones are simply overwritten by the next round.
+Arena layout (row 0), DESIGN §4.6:
 
+* ``[0, P)`` the prompt, shared and read-only once written;
+* ``[P, n_kv)`` the committed response, in position order (accepted rows are moved down
+  here); the newest committed token is *pending* (emitted, its KV not yet computed) and
+  is the root of the next verification;
+* ``[n_kv, ...)`` scratch for the MAIN tree under verification, overwritten next round;
+* ``[side_base, capacity)`` a pool for SIDE rows, which the SchemaFill decoder allocates
+  and frees; a SIDE row never moves into MAIN.
+
+One target call verifies the MAIN tree and any number of extra segments (SIDE branches):
+each extra node names the arena slots it may see, so MAIN never sees a SIDE row, a SIDE
+node sees only the prompt and its own branch, and siblings never see each other.
 Counters follow DESIGN §3: the prefill is one target call, every verification another.
 """
 
@@ -21,10 +28,21 @@ from schemafill.stopping import ResponseStop
 
 
 @dataclass
+class Segment:
+    """Extra nodes of one forward (a SIDE branch): each sees exactly ``visible[i]``."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    visible: list[list[int]]  # arena slots node i may attend to (its own slot included)
+
+
+@dataclass
 class Verified:
-    accepted: list[int]  # draft nodes on the accepted path, root-most first
+    accepted: list[int]  # MAIN draft nodes on the accepted path, root-most first
     correction: int  # the target's own next token after them
     committed: int  # tokens that joined MAIN (≤ len(accepted) + 1 when the response stops)
+    extra_choices: list[list[int]] = field(default_factory=list)  # target argmax at each extra node
 
 
 @dataclass
@@ -32,16 +50,17 @@ class MainSession:
     target: Target
     prompt: list[int]
     stop: ResponseStop
-    scratch: int = 64  # most tree nodes one verification may carry
+    scratch: int = 64  # most MAIN tree nodes one verification may carry
+    side_capacity: int = 0  # arena rows for SIDE branches
     tokens: list[int] = field(default_factory=list)  # prompt + committed response (last one pending)
     n_kv: int = 0  # slots holding committed KV
     target_calls: int = 0
-    nodes: list[int] = field(default_factory=list)  # tree nodes per verification
+    nodes: list[int] = field(default_factory=list)  # tree nodes (MAIN + SIDE) per verification
     new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
 
     def __post_init__(self) -> None:
-        capacity = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
-        self.arena = self.target.new_arena(1, capacity)
+        self.side_base = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
+        self.arena = self.target.new_arena(1, self.side_base + self.side_capacity)
         self.device = self.target.device
 
     @property
@@ -52,45 +71,74 @@ class MainSession:
     def pending(self) -> int:
         return self.tokens[-1]
 
-    def prefill(self) -> None:
-        """Prompt KV and the first response token (one target call)."""
-        n = len(self.prompt)
-        pos = torch.arange(n, device=self.device)[None]  # [1, P]
-        visible = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None]  # [1, P, P]
-        f = self.target(torch.tensor(self.prompt, device=self.device)[None], pos, visible, pos, self.arena)
-        self.target_calls += 1
-        first = int(f.logits[0, -1].argmax())
-        self.tokens = list(self.prompt) + [first]
-        self.n_kv = n
-        self.new_aux = f.aux[0]  # [P, 3H]: every prompt position, for the drafter's first update
-        self.stop.push([first])
-
-    def verify(self, tree_tokens: list[int], parents: list[int]) -> Verified:
-        """One target call over the pending root plus a draft tree; commit the greedy path."""
-        if len(tree_tokens) > self.scratch:
-            raise ValueError(f"a tree of {len(tree_tokens)} nodes exceeds the session's scratch of {self.scratch}")
-        n, m = self.n_kv, len(tree_tokens)
-        dev = self.device
-        pos = torch.tensor([n] + [n + d for d in depths(parents)], device=dev)[None]  # [1, 1+M]
-        slots = torch.arange(n, n + 1 + m, device=dev)[None]  # [1, 1+M]
-        visible = torch.zeros(1 + m, n + 1 + m, dtype=torch.bool, device=dev)
-        visible[:, : n + 1] = True  # committed rows and the root
-        visible[1:, n + 1:] = ancestor_mask(parents).to(dev)
-        f = self.target(torch.tensor([self.pending] + tree_tokens, device=dev)[None], pos, visible[None], slots,
-                        self.arena)
-        self.target_calls += 1
-        self.nodes.append(m)
-        choice = f.logits[0].argmax(-1).tolist()
-        accepted, correction = greedy_accept(tree_tokens, parents, choice)
-        self.arena.move(0, [n + 1 + i for i in accepted], [n + 1 + j for j in range(len(accepted))])
-        new = [tree_tokens[i] for i in accepted] + [correction]
-        taken = self.stop.push(new)
-        self.tokens += new[:taken]
-        self.n_kv = n + 1 + len(accepted)
-        self.new_aux = f.aux[0, [0] + [1 + i for i in accepted]]  # [1+A, 3H]
-        return Verified(accepted=accepted, correction=correction, committed=taken)
-
     @property
     def response(self) -> list[int]:
         return list(self.stop.ids)
 
+    def prefill(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Verified:
+        """The prompt, optionally with a MAIN tree hanging off its last token and extra
+        segments, in one target call; commits the greedy path and the first correction."""
+        p = len(self.prompt)
+        tree_tokens, parents = list(tree_tokens), list(parents)
+        pos = list(range(p)) + [p - 1 + d for d in depths(parents)]
+        visible = torch.zeros(p + len(tree_tokens), p + len(tree_tokens), dtype=torch.bool)
+        visible[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+        visible[p:, :p] = True
+        visible[p:, p:] = ancestor_mask(parents)
+        return self._run(self.prompt + tree_tokens, pos, list(range(p + len(tree_tokens))), visible, p - 1,
+                         tree_tokens, parents, extra, prefill=True)
+
+    def verify(self, tree_tokens: list[int], parents: list[int], extra: list[Segment] = ()) -> Verified:
+        """One target call over the pending root plus a MAIN draft tree (and extra segments)."""
+        if len(tree_tokens) > self.scratch:
+            raise ValueError(f"a tree of {len(tree_tokens)} nodes exceeds the session's scratch of {self.scratch}")
+        n, m = self.n_kv, len(tree_tokens)
+        pos = [n] + [n + d for d in depths(parents)]
+        visible = torch.zeros(1 + m, n + 1 + m, dtype=torch.bool)
+        visible[:, : n + 1] = True  # committed rows and the root
+        visible[1:, n + 1:] = ancestor_mask(parents)
+        return self._run([self.pending] + tree_tokens, pos, list(range(n, n + 1 + m)), visible, n,
+                         tree_tokens, parents, extra, prefill=False)
+
+    def _run(self, tokens: list[int], positions: list[int], slots: list[int], visible: torch.Tensor, root_slot: int,
+             tree_tokens: list[int], parents: list[int], extra: list[Segment], prefill: bool) -> Verified:
+        """Append the extra segments, run the target once, commit MAIN's greedy path."""
+        main_rows, width = visible.shape
+        span = max([width] + [max(see) + 1 for seg in extra for see in seg.visible])
+        rows = main_rows + sum(len(seg.tokens) for seg in extra)
+        mask = torch.zeros(rows, span, dtype=torch.bool)
+        mask[:main_rows, :width] = visible
+        r = main_rows
+        for seg in extra:
+            for see in seg.visible:
+                mask[r, see] = True
+                r += 1
+            tokens = tokens + seg.tokens
+            positions = positions + seg.positions
+            slots = slots + seg.slots
+        dev = self.device
+        f = self.target(torch.tensor(tokens, device=dev)[None], torch.tensor(positions, device=dev)[None],
+                        mask.to(dev)[None], torch.tensor(slots, device=dev)[None], self.arena)
+        self.target_calls += 1
+        self.nodes.append(rows - main_rows + len(tree_tokens))
+        choice = f.logits[0].argmax(-1).tolist()
+        first_tree = main_rows - len(tree_tokens)  # index of the first MAIN tree node in this call
+        main_choice = [choice[first_tree - 1]] + choice[first_tree:main_rows]
+        accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
+        base = root_slot + 1  # committed MAIN continues right after the root
+        self.arena.move(0, [slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])
+        new = [tree_tokens[i] for i in accepted] + [correction]
+        taken = self.stop.push(new)
+        if prefill:
+            self.tokens = list(self.prompt) + new[:taken]
+            self.new_aux = f.aux[0, list(range(len(self.prompt))) + [first_tree + i for i in accepted]]
+        else:
+            self.tokens += new[:taken]
+            self.new_aux = f.aux[0, [0] + [1 + i for i in accepted]]  # [1+A, 3H]
+        self.n_kv = base + len(accepted)
+        extra_choices, r = [], main_rows
+        for seg in extra:
+            extra_choices.append(choice[r:r + len(seg.tokens)])
+            r += len(seg.tokens)
+        self.extra_aux = f.aux[0, main_rows:]  # [Σ extra, 3H]: the SIDE nodes' features, in order
+        return Verified(accepted=accepted, correction=correction, committed=taken, extra_choices=extra_choices)

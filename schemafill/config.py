@@ -70,7 +70,7 @@ class DecodeConfig:
     topk: int = 3  # draft tree branching
     depth: int = 2  # MAIN draft depth (EAGLE-3 tree depth)
     total_tokens: int = 8  # draft tokens per verification
-    side_depth: int = 1  # SIDE branch draft depth per round
+    side_depth: int = 0  # SIDE branch head-draft depth per round (paper: 1; only 0 is implemented)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN, C: + SIDE drafting, D: + packing
 
@@ -150,7 +150,8 @@ class PipelineConfig:
             raise ValueError(f"unknown stage(s) {unknown}; the stages are {list(STAGES)}")
 
 
-METHODS = ("ar", "eagle3", "eagle3_wide")
+METHODS = ("ar", "eagle3", "eagle3_wide", "schemafill", "schemafill_A", "schemafill_B", "schemafill_C",
+           "schemafill_D")
 
 
 @dataclass

@@ -38,6 +38,9 @@ class ParseState:
     value_type: str | None = None  # JSON type of the open value: string|number|boolean|null|object|array
     value_start: int | None = None  # offset of the first character of the current/last value
     fields_done: tuple[str, ...] = ()  # keys of the current call whose values have closed
+    spans: tuple[tuple[str, int, int], ...] = ()  # (key, start, end) of those values' literals
+    call_start: int | None = None  # offset of the current call's "{" (None outside a call)
+    last_call_end: int | None = None  # offset just past the "}" of the last closed call
 
 
 @dataclass
@@ -50,9 +53,12 @@ class _Frame:
 
 @dataclass
 class _Call:
+    start: int = 0
     name: str | None = None
     field: str | None = None
     fields_done: list[str] = dc_field(default_factory=list)
+    spans: list[tuple[str, int, int]] = dc_field(default_factory=list)
+    end: int | None = None
 
 
 class ToolCallParser:
@@ -177,7 +183,7 @@ class ToolCallParser:
 
     def _push(self, frame: _Frame) -> None:
         if frame.kind == "obj" and self._writing_call():
-            self._calls.append(_Call())
+            self._calls.append(_Call(start=self._offset))
             self._value_start = None
         self._stack.append(frame)
 
@@ -238,18 +244,22 @@ class ToolCallParser:
         except ValueError:
             self._fail(f"invalid number {raw!r}")
             return
-        self._value_closed()
+        self._value_closed(end=self._offset)  # the delimiter is not part of the number
 
     def _close_container(self) -> None:
-        self._stack.pop()
+        frame = self._stack.pop()
+        if frame.kind == "obj" and self._writing_call() and self._calls:
+            self._calls[-1].end = self._offset + 1
         self._value_closed()
 
-    def _value_closed(self) -> None:
+    def _value_closed(self, end: int | None = None) -> None:
         """A complete value ended; the enclosing frame now expects ',' or its close."""
         if self._value_depth is not None and len(self._stack) == self._value_depth:
             self._value_depth = None
             self._value_type = None
-            self._calls[-1].fields_done.append(self._stack[-1].key)
+            key = self._stack[-1].key
+            self._calls[-1].fields_done.append(key)
+            self._calls[-1].spans.append((key, self._value_start, self._offset + 1 if end is None else end))
         if not self._stack:
             self._root_done = True
             self._root_closed_object = self._root_is_object
@@ -308,6 +318,9 @@ class ToolCallParser:
             value_type=self._value_type if in_value else None,
             value_start=self._value_start if in_args else None,
             fields_done=tuple(call.fields_done) if call else (),
+            spans=tuple(call.spans) if call else (),
+            call_start=call.start if call else None,
+            last_call_end=next((c.end for c in reversed(self._calls) if c.end is not None), None),
         )
 
 

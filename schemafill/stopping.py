@@ -37,6 +37,11 @@ class ResponseStop:
     def parser(self) -> ToolCallParser:
         return self._parser
 
+    @property
+    def parsed_text(self) -> str:
+        """The text the parser has seen (all of ``text`` but a split multi-byte tail)."""
+        return self._fed
+
     def push(self, tokens: list[int]) -> int:
         """Append ``tokens`` until the response stops; return how many were taken."""
         taken = 0

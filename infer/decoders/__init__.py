@@ -15,3 +15,5 @@ class Decoded:
     stop: str  # closed | eos | length
     target_calls: int  # prefill counts as one
     nodes: list[int] = field(default_factory=list)  # draft nodes per verification
+    init_nodes: int = 0  # tree nodes verified with the prompt (SchemaFill's initialisation)
+    times: dict[str, float] = field(default_factory=dict)  # seconds by phase, where a decoder splits them

@@ -1,0 +1,328 @@
+"""SchemaFill: forecast, SIDE branches, cross-call packing, one shared tree verification.
+
+Our reading of paper §4 (DESIGN §4), round by round:
+
+1. **Forecast** (once): BM25 ranks the catalog, the cycled ranking gives ``budget`` call
+   groups, each a ``CallPlan`` (tool, predicted keys) whose values SIDE branches prepare.
+2. **Initialise** (one target call): the prompt, MAIN candidates — for each forecast tool
+   the canonical response up to its first value — merged into one tree, and the prefixes
+   of the first SIDE branches. The greedy path through the candidates is MAIN's start
+   (the longest accepted key prefix wins by construction).
+3. **SIDE branch** for slot (call j, tool t, field f): private context = prompt + an
+   ordinal hint for j ≥ 2 ("Select the second request.") + the canonical text a call of t
+   has up to f's colon, tokenised as one piece like MAIN's response. Each round the branch
+   contributes its pending token; the target's choice there is its next token, under the
+   branch's own context only. A value is *prepared* when its literal closes; it is then
+   offered to the packer and the branch is freed. Provisional: nothing of a branch is
+   ever emitted or moved into MAIN.
+4. **MAIN proposal**: the EAGLE-3 head's draft tree, merged with the packer's chain
+   (structural bridges + prepared values across fields and calls), tokenised the way
+   the whole response would be.
+5. **Verify** MAIN and every active branch in one target call (``MainSession``): MAIN keeps
+   its longest greedy path plus the correction; each branch advances by one target token.
+6. **Align**: MAIN's parse state rebinds the plan of the current call to the realized tool
+   (swapping in a later group with that tool, or a fresh plan from the catalog), retires
+   branches of finished calls and realized fields, and keeps branches only for the
+   current and next call. Stops with MAIN (first closed object, EOS, or the cap).
+
+Ablations (``decode.ablation``): A = EAGLE-3 only; B = + forecast-guided initialisation and
+structural packing (no prepared values); C = + SIDE branches, packing within a call;
+D = + packing across calls (full SchemaFill).
+
+Decisions where the paper is silent: SIDE branches are advanced by the target's own token
+each round; the head does not draft for them (``decode.side_depth`` must be 0 for now).
+At most ``max_branches`` are active (current call first); a branch whose value passes
+``max_value_tokens`` is retired unprepared; the packed chain is capped at ``max_chain``
+tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from infer.decoders import Decoded
+from infer.forecast import forecast_groups, predicted_keys, rank_tools
+from infer.head_drafter import HeadDrafter, TreeBudget
+from infer.packer import HEADER, CallPlan, call_header, dumps, propose
+from infer.session import MainSession, Segment
+from infer.tree import chain, merge
+from schemafill.parser import parse_prefix
+from schemafill.runtime import Target
+from schemafill.stopping import ResponseStop
+from schemafill.toolcall import ToolRequest
+
+ABLATIONS = ("A", "B", "C", "D")
+ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"]
+
+
+@dataclass(frozen=True)
+class SchemaFillConfig:
+    budget: TreeBudget  # the head's MAIN tree
+    forecast_budget: int = 3  # B call groups
+    ablation: str = "D"
+    side_depth: int = 0
+    max_branches: int = 8
+    max_value_tokens: int = 48
+    max_chain: int = 48
+
+    def __post_init__(self) -> None:
+        if self.ablation not in ABLATIONS:
+            raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
+        if self.side_depth != 0:
+            raise ValueError("decode.side_depth > 0 (head-drafted SIDE tokens) is not implemented; "
+                             "SIDE branches advance by the target's own token each round (side_depth=0)")
+
+
+@dataclass
+class Branch:
+    call: int
+    tool: str
+    field: str
+    header: str  # the private text after the prompt, up to the field's colon
+    slots: list[int] = field(default_factory=list)  # arena rows of its private tokens
+    length: int = 0  # private tokens with KV (positions P .. P+length-1)
+    pending: int | None = None  # the target's next token for it, KV not yet computed
+    value: list[int] = field(default_factory=list)  # value tokens generated so far
+
+
+def ordinal_hint(call: int) -> str:
+    if call == 0:
+        return ""
+    word = ORDINALS[call] if call < len(ORDINALS) else f"number {call + 1}"
+    return f"Select the {word} request.\n"
+
+
+def continuation_ids(tokenizer: Any, committed: list[int], suffix: str) -> list[int]:
+    """Tokens for ``suffix`` after ``committed`` as the whole response would be tokenised
+    (BPE merges across the boundary), falling back to the suffix alone."""
+    if not suffix:
+        return []
+    text = tokenizer.decode(committed, skip_special_tokens=True)
+    full = tokenizer(text + suffix, add_special_tokens=False).input_ids
+    if full[: len(committed)] == committed and len(full) > len(committed):
+        return full[len(committed):]
+    return tokenizer(suffix, add_special_tokens=False).input_ids
+
+
+class SlotPool:
+    """Free SIDE rows of the arena."""
+
+    def __init__(self, base: int, size: int) -> None:
+        self.free = list(range(base + size - 1, base - 1, -1))
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give(self, slots: list[int]) -> None:
+        self.free.extend(reversed(slots))
+
+
+class SchemaFill:
+    """One decoder instance per (target, head, tokenizer); ``decode`` per request."""
+
+    def __init__(self, target: Target, tokenizer: Any, head: Any, eos: frozenset[int], max_new_tokens: int,
+                 cfg: SchemaFillConfig) -> None:
+        self.target, self.tokenizer, self.eos, self.cfg = target, tokenizer, eos, cfg
+        self.max_new_tokens = max_new_tokens
+        self.drafter = HeadDrafter(head, cfg.budget)
+
+    # ------------------------------------------------------------------ per request
+    def decode(self, request: ToolRequest, prompt: list[int], groups: list[int] | None = None,
+               values: dict[tuple[int, str], str] | None = None) -> Decoded:
+        """``groups`` (catalog indices, one per call) replaces the BM25 forecast and ``values``
+        ((call, key) -> value literal) pre-fills prepared values: for tests and for callers
+        who know the call layout. Neither can change the output, only the speed."""
+        cfg, tok = self.cfg, self.tokenizer
+        times = {"forecast": 0.0, "drafting": 0.0, "verification": 0.0, "other": 0.0}
+        t = time.perf_counter()
+        functions = {fn["name"]: fn for fn in request.functions}
+        plans: list[CallPlan] = []
+        if cfg.ablation != "A":
+            if groups is None:
+                groups = forecast_groups(rank_tools(request), cfg.forecast_budget)
+            plans = [self._plan(request.functions[g]) for g in groups]
+            for (j, key), literal in (values or {}).items():
+                if j < len(plans):
+                    plans[j].values[key] = literal
+        times["forecast"] += time.perf_counter() - t
+
+        side = cfg.ablation in ("C", "D")
+        capacity = (cfg.max_branches * (64 + cfg.max_value_tokens)) if side else 0
+        s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
+                        scratch=cfg.budget.total + cfg.max_chain, side_capacity=capacity)
+        pool = SlotPool(s.side_base, capacity)
+        self.drafter.start(len(prompt) + self.max_new_tokens + 1)
+        branches: list[Branch] = []
+        prepared_keys: set[tuple[int, str]] = set()  # (call, field) whose value was prepared or retired
+
+        # ---- initialisation: prompt + MAIN candidates + first SIDE prefixes, one call
+        t = time.perf_counter()
+        candidates = []
+        for plan in {p.tool: p for p in plans}.values():
+            text = HEADER + call_header(plan.tool) + (dumps(plan.keys[0]) + ":" if plan.keys else "")
+            candidates.append(chain(tok(text, add_special_tokens=False).input_ids[: cfg.max_chain]))
+        tree = merge(candidates) if candidates else ([], [])
+        extra = []
+        if side:
+            branches = self._activate(branches, plans, 0, prepared_keys, set())
+            extra = [self._prefix_segment(b, len(prompt), pool) for b in branches]
+            branches = [b for b, seg in zip(branches, extra) if seg is not None]
+            extra = [seg for seg in extra if seg is not None]
+        times["other"] += time.perf_counter() - t
+        t = time.perf_counter()
+        v = s.prefill(tree[0], tree[1], extra)
+        times["verification"] += time.perf_counter() - t
+        init_nodes = len(tree[0]) + sum(len(seg.tokens) for seg in extra)
+        for b, choices in zip(branches, v.extra_choices):
+            b.pending = choices[-1]
+
+        while not s.done:
+            # ---- align the plans and branches with what MAIN realized
+            t = time.perf_counter()
+            text, state = s.stop.parsed_text, s.stop.parser.state
+            current = state.call_index if state.call_index is not None else state.calls_started
+            if plans and state.tool_name is not None:
+                self._rebind(plans, branches, state.call_index, state.tool_name, functions)
+            realized = {(current, k) for k, _, _ in state.spans}
+            if side:
+                kept = []
+                for b in branches:
+                    stale = b.call < current or (b.call, b.field) in realized or b.call >= len(plans) \
+                        or plans[b.call].tool != b.tool
+                    if stale:
+                        pool.give(b.slots)
+                        prepared_keys.add((b.call, b.field))
+                    else:
+                        kept.append(b)
+                branches = self._activate(kept, plans, current, prepared_keys, realized)
+            times["other"] += time.perf_counter() - t
+
+            # ---- MAIN proposal: head tree + packed chain
+            t = time.perf_counter()
+            tokens, parents = self.drafter.draft(s.tokens, s.new_aux)
+            if plans:
+                # a lone trailing space before an unknown value would not be the target's token
+                suffix = propose(text, state, plans, cross_calls=cfg.ablation == "D").rstrip(" ")
+                packed = continuation_ids(tok, s.response, suffix)[: cfg.max_chain]
+                if packed:
+                    tokens, parents = merge([(tokens, parents), chain(packed)])
+            times["drafting"] += time.perf_counter() - t
+
+            # ---- SIDE nodes: new prefixes, then each branch's pending token
+            t = time.perf_counter()
+            extra, owners = [], []
+            for b in branches:
+                seg = self._prefix_segment(b, len(prompt), pool) if b.pending is None else self._step_segment(
+                    b, len(prompt), pool)
+                if seg is None:  # the pool is full: try again next round
+                    continue
+                extra.append(seg)
+                owners.append(b)
+            times["other"] += time.perf_counter() - t
+
+            t = time.perf_counter()
+            v = s.verify(tokens, parents, extra)
+            times["verification"] += time.perf_counter() - t
+
+            t = time.perf_counter()
+            for b, choices in zip(owners, v.extra_choices):
+                b.pending = choices[-1]
+            if side:
+                branches = self._collect(branches, plans, pool, prepared_keys)
+            times["other"] += time.perf_counter() - t
+
+        return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls,
+                       nodes=s.nodes, init_nodes=init_nodes, times=times)
+
+    # ------------------------------------------------------------------ plans
+    @staticmethod
+    def _plan(fn: dict) -> CallPlan:
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        return CallPlan(fn["name"], tuple(predicted_keys(fn)), tuple(props), {})
+
+    def _rebind(self, plans: list[CallPlan], branches: list[Branch], j: int, tool: str, functions: dict) -> None:
+        """Make plans[j] a plan for the realized ``tool``: swap in a later (unused) group with
+        that tool, whose branches and prepared values follow it, else a fresh plan. An
+        unknown tool leaves the plan alone (the packer then proposes nothing for the call)."""
+        if (j < len(plans) and plans[j].tool == tool) or tool not in functions:
+            return
+        if j >= len(plans):  # more calls than forecast groups
+            plans.extend(self._plan(functions[tool]) for _ in range(j + 1 - len(plans)))
+            return
+        later = next((g for g in range(j + 1, len(plans)) if plans[g].tool == tool), None)
+        if later is None:
+            plans[j] = self._plan(functions[tool])
+            return
+        plans[j], plans[later] = plans[later], plans[j]
+        for b in branches:
+            if b.call in (j, later):
+                b.call = later if b.call == j else j
+
+    # ------------------------------------------------------------------ SIDE branches
+    def _activate(self, branches: list[Branch], plans: list[CallPlan], current: int,
+                  done: set[tuple[int, str]], realized: set[tuple[int, str]]) -> list[Branch]:
+        """Keep branches for the current and next call; open new ones up to the cap."""
+        have = {(b.call, b.field) for b in branches}
+        for j in (current, current + 1):
+            if j >= len(plans):
+                continue
+            for key in plans[j].keys:
+                if len(branches) >= self.cfg.max_branches:
+                    return branches
+                if (j, key) in have or (j, key) in done or (j, key) in realized or key in plans[j].values:
+                    continue
+                header = ordinal_hint(j) + HEADER + call_header(plans[j].tool) + dumps(key) + ":"
+                branches.append(Branch(call=j, tool=plans[j].tool, field=key, header=header))
+                have.add((j, key))
+        return branches
+
+    def _prefix_segment(self, b: Branch, p: int, pool: SlotPool) -> Segment | None:
+        ids = self.tokenizer(b.header, add_special_tokens=False).input_ids
+        slots = []
+        for _ in ids:
+            slot = pool.take()
+            if slot is None:
+                pool.give(slots)
+                return None
+            slots.append(slot)
+        b.slots, b.length = slots, len(ids)
+        visible = [list(range(p)) + slots[: i + 1] for i in range(len(ids))]
+        return Segment(tokens=ids, positions=list(range(p, p + len(ids))), slots=slots, visible=visible)
+
+    def _step_segment(self, b: Branch, p: int, pool: SlotPool) -> Segment | None:
+        slot = pool.take()
+        if slot is None:
+            return None
+        b.slots.append(slot)
+        b.length += 1
+        b.value.append(b.pending)
+        return Segment(tokens=[b.pending], positions=[p + b.length - 1], slots=[slot],
+                       visible=[list(range(p)) + b.slots])
+
+    def _collect(self, branches: list[Branch], plans: list[CallPlan], pool: SlotPool,
+                 done: set[tuple[int, str]]) -> list[Branch]:
+        """Branches whose value literal closed hand it to their plan and are freed."""
+        kept = []
+        for b in branches:
+            literal = None
+            if b.value:
+                head = b.header[len(ordinal_hint(b.call)):]
+                text = head + self.tokenizer.decode(b.value, skip_special_tokens=True)
+                state = parse_prefix(text)
+                span = next(((a, e) for k, a, e in state.spans if k == b.field), None)
+                if span is not None:
+                    literal = text[span[0]:span[1]]
+                elif state.error is not None or len(b.value) >= self.cfg.max_value_tokens or b.pending in self.eos:
+                    pool.give(b.slots)
+                    done.add((b.call, b.field))
+                    continue
+            if literal is not None:
+                if b.call < len(plans) and plans[b.call].tool == b.tool:
+                    plans[b.call].values[b.field] = literal
+                pool.give(b.slots)
+                done.add((b.call, b.field))
+                continue
+            kept.append(b)
+        return kept

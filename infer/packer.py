@@ -1,0 +1,121 @@
+"""The packer (paper §4.2 "Cross-call packing", DESIGN §4.4): the text MAIN is predicted to
+write next, chaining structural bridges and prepared values across fields and calls.
+
+Pure (standard library only). Given MAIN's committed response text and its parse state,
+the call plans (one tool per call position, from the forecast, rebound to what MAIN
+realized) and the prepared values, it builds the canonical serialization the target was
+asked for::
+
+    {"tool_calls": [{"name": "t", "arguments": {"k": v, ...}}, ...]}
+
+from the start of the current call — realized name and realized values as MAIN wrote
+them, then predicted keys with prepared values — and proposes whatever of it extends the
+committed text, up to the first value nobody has prepared. If MAIN deviated from the
+canonical layout (other spacing, an unforeseen key), nothing is proposed: the drafter's
+own tree still runs, and the target decides every token either way.
+
+Decisions: a partially written key is completed with the first predicted key, then any
+schema key, that starts with it; after the last predicted call the list is closed; with
+``cross_calls`` off (ablation C) the proposal stops at the end of the current call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from schemafill.parser import ParseState
+
+HEADER = '{"tool_calls": ['
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    tool: str
+    keys: tuple[str, ...]  # keys predicted to be written, in order
+    schema_keys: tuple[str, ...] = ()  # every key of the tool's schema, in order
+    values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
+
+
+def call_header(tool: str) -> str:
+    return '{"name": ' + dumps(tool) + ', "arguments": {'
+
+
+def _call_pieces(tool: str, fields: list[tuple[str, str | None]]) -> list[str | None]:
+    """Text pieces of one call; None where a value is unknown (the proposal stops there)."""
+    out: list[str | None] = [call_header(tool)]
+    for i, (key, value) in enumerate(fields):
+        out.append((", " if i else "") + dumps(key) + ": ")
+        out.append(value)
+    out.append("}}")
+    return out
+
+
+def _join(pieces: list[str | None]) -> str:
+    text = []
+    for p in pieces:
+        if p is None:
+            break
+        text.append(p)
+    return "".join(text)
+
+
+def _realized(text: str, state: ParseState) -> list[tuple[str, str]]:
+    return [(key, text[a:b]) for key, a, b in state.spans]
+
+
+def _current_fields(text: str, state: ParseState, plan: CallPlan) -> list[tuple[str, str | None]] | None:
+    """Realized fields, then the one being written, then the predicted rest; None when MAIN's
+    partial key matches no key of the tool."""
+    fields: list[tuple[str, str | None]] = list(_realized(text, state))
+    done = {k for k, _ in fields}
+    if state.in_key:
+        partial = text[text.rfind('"') + 1:]
+        pool = [k for k in plan.keys if k not in done] + [k for k in plan.schema_keys if k not in done]
+        key = next((k for k in pool if k.startswith(partial)), None)
+        if key is None:
+            return None
+        fields.append((key, plan.values.get(key)))
+        done.add(key)
+    elif state.field is not None and state.field not in done:  # key closed, value open or not started
+        partial = text[state.value_start:] if state.in_value else ""
+        value = plan.values.get(state.field)
+        fields.append((state.field, value if value is not None and value.startswith(partial) else None))
+        done.add(state.field)
+    fields += [(k, plan.values.get(k)) for k in plan.keys if k not in done]
+    return fields
+
+
+def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True) -> str:
+    """The predicted continuation of MAIN's committed ``text`` (empty when there is none)."""
+    if state.closed or state.error is not None:
+        return ""
+    if state.call_index is not None:  # inside call j: rebuild it from its "{"
+        j = state.call_index
+        plan = plans[j] if j < len(plans) else None
+        tool = state.tool_name or (plan.tool if plan else None)
+        if tool is None or plan is None or plan.tool != tool:
+            return ""  # the caller rebinds plans to realized tools before asking
+        fields = _current_fields(text, state, plan)
+        if fields is None:
+            return ""
+        base, pieces, nxt = text[:state.call_start], _call_pieces(tool, fields), j + 1
+    elif state.calls_started:  # between calls: after the "}" of the last one
+        base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
+    else:  # no call yet
+        base, pieces, nxt = "", [HEADER], 0
+        if nxt < len(plans):
+            pieces += _call_pieces(plans[0].tool, [(k, plans[0].values.get(k)) for k in plans[0].keys])
+            nxt = 1
+    if cross_calls or not pieces or pieces == [HEADER]:
+        for plan in plans[nxt:]:
+            pieces += [", "] + _call_pieces(plan.tool, [(k, plan.values.get(k)) for k in plan.keys])
+        pieces.append("]}")
+    predicted = base + _join(pieces)
+    if not predicted.startswith(text):
+        return ""
+    return predicted[len(text):]

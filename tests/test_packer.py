@@ -1,0 +1,77 @@
+"""The packer and the forecast on literal cases."""
+
+from __future__ import annotations
+
+from infer.forecast import expand_slots, forecast_groups, rank_tools, words
+from infer.packer import CallPlan, propose
+from schemafill.parser import parse_prefix
+from schemafill.toolcall import ToolRequest
+
+WEATHER = CallPlan("get_weather", ("city", "unit"), ("city", "unit", "days"), {"city": '"Paris"', "unit": '"C"'})
+TIME = CallPlan("get_time", ("tz",), ("tz",), {})
+
+
+def p(text, plans, **kw):
+    return propose(text, parse_prefix(text), plans, **kw)
+
+
+def test_from_nothing_to_the_first_unprepared_value():
+    assert p("", [WEATHER, TIME]) == ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", '
+                                      '"unit": "C"}}, {"name": "get_time", "arguments": {"tz": ')
+
+
+def test_inside_a_value_the_prepared_rest_and_bridges_follow():
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa'
+    assert p(text, [WEATHER]) == 'ris", "unit": "C"}}]}'
+    # a value that disagrees with the prepared one: nothing to propose
+    assert p('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Lo', [WEATHER]) == ""
+
+
+def test_realized_values_are_kept_and_unforeseen_keys_completed():
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da'
+    assert p(text, [WEATHER]) == 'ys": '  # an optional key of the schema, then an unknown value
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"'
+    assert p(text, [WEATHER, TIME]) == ', "unit": "C"}}, {"name": "get_time", "arguments": {"tz": '
+    assert p(text, [WEATHER, TIME], cross_calls=False) == ', "unit": "C"}}'
+
+
+def test_between_calls_and_after_the_last():
+    text = '{"tool_calls": [{"name": "get_time", "arguments": {"tz": "UTC"}}'
+    assert p(text, [TIME, WEATHER]).startswith(', {"name": "get_weather", "arguments": {"city": "Paris"')
+    assert p(text, [TIME]) == "]}"
+    assert p(text + "]}", [TIME]) == ""  # closed
+
+
+def test_off_format_text_gets_no_proposal():
+    assert p('{"tool_calls": [{"name":"get_weather"', [WEATHER]) == ""  # other spacing inside the call
+    # spacing outside the current call does not matter: the call is rebuilt from its "{"
+    assert p('{"tool_calls":[{"name": "get_weather"', [WEATHER]).startswith(', "arguments": {"city": "Paris"')
+    assert p('{"tool_calls": [{"name": "get_time", "arguments": {', [WEATHER]) == ""  # plan not rebound
+
+
+def test_words_split_identifiers():
+    assert words("getWeather_forCity.v2-beta") == ["get", "weather", "for", "city", "v", "2", "beta"]
+
+
+def _req(tools, text):
+    return ToolRequest(id="r", messages=[{"role": "user", "content": text}],
+                       tools=[{"type": "function", "function": f} for f in tools])
+
+
+def test_bm25_ranking_groups_and_slots():
+    tools = [
+        {"name": "send_email", "description": "Send an email", "parameters": {"type": "object", "properties": {
+            "to": {"type": "string"}}, "required": ["to"]}},
+        {"name": "get_weather", "description": "Weather forecast for a city", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "description": "city name"},
+                                             "unit": {"type": "string"}}, "required": ["city"]}},
+        {"name": "noop", "description": "", "parameters": {"type": "object", "properties": {}}},
+    ]
+    req = _req(tools, "What is the weather in Paris? Which city is warmer?")
+    ranking = rank_tools(req)
+    assert ranking[0] == 1 and ranking[1:] == [0, 2]  # zero scores keep catalog order
+    assert forecast_groups(ranking, 5) == [1, 0, 2, 1, 0]
+    slots = expand_slots(req, forecast_groups(ranking, 3))
+    assert [(s.call, s.tool, s.field, s.required) for s in slots] == [
+        (0, "get_weather", "city", True), (1, "send_email", "to", True)]
+    assert rank_tools(_req(tools[:1], "anything")) == [0]

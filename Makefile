@@ -42,8 +42,8 @@ test-full: setup  ## every test, `slow` ones included
 	WANDB_MODE=offline $(BIN)/python -m pytest -q
 
 BENCH_LIMIT ?= 0
-BENCH_METHODS ?= [ar,eagle3,eagle3_wide]
-bench: setup  ## AR vs EAGLE-3 on BFCL450, built-in target (BENCH_LIMIT=N: first N requests) -> outputs/bench/
+BENCH_METHODS ?= [ar,eagle3,eagle3_wide,schemafill]
+bench: setup  ## AR vs EAGLE-3 vs SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests) -> outputs/bench/
 	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
 		limit=$(BENCH_LIMIT) out=outputs/bench
 

@@ -93,8 +93,11 @@ def run(cfg: InferConfig) -> dict:
     # ---- requests: malformed records and over-long prompts are named and skipped
     requests, rejected = read_requests(cfg.requests)
     skipped = [{"id": r.id, "line": r.line, "reason": r.reason} for r in rejected.items]
-    if cfg.limit > 0:
-        requests = requests[: cfg.limit]
+    if 0 < cfg.limit < len(requests):
+        if cfg.sample == "first":
+            requests = requests[: cfg.limit]
+        else:  # evenly spaced: evaluation files are grouped by category
+            requests = [requests[i * len(requests) // cfg.limit] for i in range(cfg.limit)]
     kept: list[ToolRequest] = []
     for r in requests:
         n = len(prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))

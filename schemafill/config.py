@@ -162,7 +162,8 @@ class InferConfig:
     methods: list[str] = field(default_factory=lambda: ["ar", "eagle3"])
     out: str = MISSING  # folder for metrics.json and outputs/<method>.jsonl
     head: str | None = None  # exported EAGLE-3 head; default: <artifacts>/heads/<model>
-    limit: int = 0  # decode only the first N requests (0 = all)
+    limit: int = 0  # decode only N requests (0 = all)
+    sample: str = "spread"  # which N: spread (evenly over the file, so every category shows) | first
     warmup: int = 1  # requests decoded (untimed) per method before timing
     device: str = "auto"
     seed: int = 0
@@ -175,6 +176,8 @@ class InferConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; the methods are {list(METHODS)}")
+        if self.sample not in ("spread", "first"):
+            raise ValueError(f"sample must be spread or first, got {self.sample!r}")
 
 
 def register_configs() -> None:

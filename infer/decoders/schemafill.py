@@ -80,7 +80,8 @@ class Branch:
     call: int
     tool: str
     field: str
-    header: str  # the private text after the prompt, up to the field's colon
+    hint: str  # ordinal hint of the call position it was opened for (kept if the plan is rebound)
+    header: str  # the canonical call text after the hint, up to the field's colon
     slots: list[int] = field(default_factory=list)  # arena rows of its private tokens
     length: int = 0  # private tokens with KV (positions P .. P+length-1)
     pending: int | None = None  # the target's next token for it, KV not yet computed
@@ -94,12 +95,12 @@ def ordinal_hint(call: int) -> str:
     return f"Select the {word} request.\n"
 
 
-def continuation_ids(tokenizer: Any, committed: list[int], suffix: str) -> list[int]:
-    """Tokens for ``suffix`` after ``committed`` as the whole response would be tokenised
-    (BPE merges across the boundary), falling back to the suffix alone."""
-    if not suffix:
+def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str) -> list[int]:
+    """Tokens for ``suffix`` after ``committed`` (whose text the packer saw as ``text``) as the
+    whole response would be tokenised (BPE merges across the boundary), falling back to
+    the suffix alone; nothing while the parsed text lags (a split multi-byte character)."""
+    if not suffix or tokenizer.decode(committed, skip_special_tokens=True) != text:
         return []
-    text = tokenizer.decode(committed, skip_special_tokens=True)
     full = tokenizer(text + suffix, add_special_tokens=False).input_ids
     if full[: len(committed)] == committed and len(full) > len(committed):
         return full[len(committed):]
@@ -205,7 +206,7 @@ class SchemaFill:
             if plans:
                 # a lone trailing space before an unknown value would not be the target's token
                 suffix = propose(text, state, plans, cross_calls=cfg.ablation == "D").rstrip(" ")
-                packed = continuation_ids(tok, s.response, suffix)[: cfg.max_chain]
+                packed = continuation_ids(tok, s.response, text, suffix)[: cfg.max_chain]
                 if packed:
                     tokens, parents = merge([(tokens, parents), chain(packed)])
             times["drafting"] += time.perf_counter() - t
@@ -273,13 +274,13 @@ class SchemaFill:
                     return branches
                 if (j, key) in have or (j, key) in done or (j, key) in realized or key in plans[j].values:
                     continue
-                header = ordinal_hint(j) + HEADER + call_header(plans[j].tool) + dumps(key) + ":"
-                branches.append(Branch(call=j, tool=plans[j].tool, field=key, header=header))
+                header = HEADER + call_header(plans[j].tool) + dumps(key) + ":"
+                branches.append(Branch(call=j, tool=plans[j].tool, field=key, hint=ordinal_hint(j), header=header))
                 have.add((j, key))
         return branches
 
     def _prefix_segment(self, b: Branch, p: int, pool: SlotPool) -> Segment | None:
-        ids = self.tokenizer(b.header, add_special_tokens=False).input_ids
+        ids = self.tokenizer(b.hint + b.header, add_special_tokens=False).input_ids
         slots = []
         for _ in ids:
             slot = pool.take()
@@ -308,8 +309,7 @@ class SchemaFill:
         for b in branches:
             literal = None
             if b.value:
-                head = b.header[len(ordinal_hint(b.call)):]
-                text = head + self.tokenizer.decode(b.value, skip_special_tokens=True)
+                text = b.header + self.tokenizer.decode(b.value, skip_special_tokens=True)
                 state = parse_prefix(text)
                 span = next(((a, e) for k, a, e in state.spans if k == b.field), None)
                 if span is not None:

@@ -140,5 +140,4 @@ class MainSession:
         for seg in extra:
             extra_choices.append(choice[r:r + len(seg.tokens)])
             r += len(seg.tokens)
-        self.extra_aux = f.aux[0, main_rows:]  # [Σ extra, 3H]: the SIDE nodes' features, in order
         return Verified(accepted=accepted, correction=correction, committed=taken, extra_choices=extra_choices)

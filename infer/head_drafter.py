@@ -23,7 +23,7 @@ import torch
 
 from infer.tree import ROOT
 from schemafill.drafter import Eagle3Head, load_head
-from schemafill.runtime import Target, rope_tables
+from schemafill.runtime import Target, causal_visibility, rope_tables
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class HeadDrafter:
         if n != len(tokens) - 1:
             raise ValueError(f"features for {n} positions but {len(tokens) - 1} committed tokens")
         pos = torch.arange(h, n, device=dev)[None]  # [1, M]
-        visible = torch.arange(n, device=dev)[None, None, :] <= pos[..., None]  # [1, M, n]
+        visible = causal_visibility(pos, n)  # [1, M, n]
         hidden = head.fc(new_aux.to(head.fc.weight.dtype))[None]  # [1, M, H]
         out = head.decode_step(torch.tensor(tokens[h + 1:n + 1], device=dev)[None], hidden, pos, visible, pos,
                                self.arena)

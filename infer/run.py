@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +40,11 @@ from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
 
+def _tree(target, tokenizer, max_new: int, eos, drafter: HeadDrafter, request: ToolRequest,
+          ids: list[int]) -> Decoded:
+    return decode_tree(target, tokenizer, ids, max_new, eos, drafter, scratch=drafter.budget.total)
+
+
 def build_decoders(cfg: InferConfig, target, tokenizer, eos) -> dict[str, Callable[[ToolRequest, list[int]], Decoded]]:
     """Method name → decode(request, prompt ids). The head is loaded only when a method needs it."""
     d = cfg.decode
@@ -53,8 +59,7 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos) -> dict[str, Callab
     for m in cfg.methods:
         if m in ("eagle3", "eagle3_wide"):
             drafter = HeadDrafter(head, budget if m == "eagle3" else EAGLE_DEFAULTS)
-            decoders[m] = (lambda dr: lambda r, ids: decode_tree(target, tokenizer, ids, max_new, eos, dr,
-                                                                 scratch=dr.budget.total))(drafter)
+            decoders[m] = partial(_tree, target, tokenizer, max_new, eos, drafter)
         elif m.startswith("schemafill"):
             ablation = m.split("_")[1] if "_" in m else d.ablation
             sf = SchemaFill(target, tokenizer, head, eos, max_new,

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from schemafill.runtime import Target
+from schemafill.runtime import Target, causal_visibility
 from schemafill.stopping import ResponseStop, eos_token_ids
 
 
@@ -100,7 +100,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
             if shared and holder[0] != r:
                 arena.copy_prefix(holder[0], r, shared)
         pos = torch.arange(shared, len(p), device=device)[None]  # [1, T]
-        visible = torch.arange(len(p), device=device)[None, None, :] <= pos[..., None]  # [1, T, len(p)]
+        visible = causal_visibility(pos, len(p))  # [1, T, len(p)]
         f = target(torch.tensor(p[shared:], device=device)[None], pos, visible, pos, arena,
                    rows=torch.tensor([r], device=device), logits_at=torch.tensor([[len(p) - shared - 1]], device=device))
         holder = (r, p)
@@ -117,7 +117,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
             continue
         pos = torch.tensor([[rows[r].length] for r in active], device=device)  # [A, 1]
         span = int(pos.max()) + 1
-        visible = torch.arange(span, device=device)[None, None, :] <= pos[..., None]  # [A, 1, S]
+        visible = causal_visibility(pos, span)  # [A, 1, S]
         tokens = torch.tensor([[rows[r].pending] for r in active], device=device)  # [A, 1]
         index = None if len(active) == arena.rows else torch.tensor(active, device=device)
         spans = [(r, rows[r].length + 1) for r in active]

@@ -83,6 +83,12 @@ def rope_tables(hf: Any) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq.detach().float().clone(), float(rotary.attention_scaling)
 
 
+def causal_visibility(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, T, width] visibility of a plain sequence stored at slot = position: a token sees
+    every slot up to its own. positions: [B, T]."""
+    return torch.arange(width, device=positions.device)[None, None, :] <= positions[..., None]
+
+
 class KVArena:
     """Preallocated keys and values: per layer ``[rows, kv_heads, capacity, head_dim]``.
 

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from schemafill import atomic
 from schemafill.generate import common_prefix
-from schemafill.runtime import Target
+from schemafill.runtime import Target, causal_visibility
 
 
 @dataclass
@@ -109,7 +109,7 @@ class FeatureCache:
                 final[o:o + shared] = final[po:po + shared]
                 argmax[o:o + shared] = argmax[po:po + shared]
             pos = torch.arange(shared, len(row), device=dev)[None]  # [1, T]
-            visible = torch.arange(len(row), device=dev)[None, None, :] <= pos[..., None]  # [1, T, n]
+            visible = causal_visibility(pos, len(row))  # [1, T, n]
             first = max(starts[i], shared)  # logits only where the loss will look
             f = target(torch.tensor(row[shared:], device=dev)[None], pos, visible, pos, arena,
                        logits_at=torch.arange(first - shared, len(row) - shared, device=dev)[None])

@@ -82,8 +82,7 @@ class Branch:
     field: str
     hint: str  # ordinal hint of the call position it was opened for (kept if the plan is rebound)
     header: str  # the canonical call text after the hint, up to the field's colon
-    slots: list[int] = field(default_factory=list)  # arena rows of its private tokens
-    length: int = 0  # private tokens with KV (positions P .. P+length-1)
+    slots: list[int] = field(default_factory=list)  # arena rows of its private tokens (positions P, P+1, ...)
     pending: int | None = None  # the target's next token for it, KV not yet computed
     value: list[int] = field(default_factory=list)  # value tokens generated so far
 
@@ -288,7 +287,7 @@ class SchemaFill:
                 pool.give(slots)
                 return None
             slots.append(slot)
-        b.slots, b.length = slots, len(ids)
+        b.slots = slots
         visible = [list(range(p)) + slots[: i + 1] for i in range(len(ids))]
         return Segment(tokens=ids, positions=list(range(p, p + len(ids))), slots=slots, visible=visible)
 
@@ -297,9 +296,8 @@ class SchemaFill:
         if slot is None:
             return None
         b.slots.append(slot)
-        b.length += 1
         b.value.append(b.pending)
-        return Segment(tokens=[b.pending], positions=[p + b.length - 1], slots=[slot],
+        return Segment(tokens=[b.pending], positions=[p + len(b.slots) - 1], slots=[slot],
                        visible=[list(range(p)) + b.slots])
 
     def _collect(self, branches: list[Branch], plans: list[CallPlan], pool: SlotPool,

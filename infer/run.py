@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from infer.decoders import Decoded
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
+from infer.decoders.parallel_fill import ParallelFill
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
 from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget, load_runtime_head
 from schemafill import atomic
@@ -45,14 +46,16 @@ def _tree(target, tokenizer, max_new: int, eos, drafter: HeadDrafter, request: T
     return decode_tree(target, tokenizer, ids, max_new, eos, drafter, scratch=drafter.budget.total)
 
 
-def build_decoders(cfg: InferConfig, target, tokenizer, eos) -> dict[str, Callable[[ToolRequest, list[int]], Decoded]]:
-    """Method name → decode(request, prompt ids). The head is loaded only when a method needs it."""
+def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[str, dict]
+                   ) -> dict[str, Callable[[ToolRequest, list[int]], Decoded]]:
+    """Method name → decode(request, prompt ids). The head is loaded only when a method needs
+    it; Parallel Fill reads AR's output for the request from ``ar_outputs`` (filled by then)."""
     d = cfg.decode
     max_new = d.max_new_tokens
     decoders: dict[str, Callable[[ToolRequest, list[int]], Decoded]] = {}
     if "ar" in cfg.methods:
         decoders["ar"] = lambda r, ids: decode_ar(target, tokenizer, ids, max_new, eos)
-    if any(m != "ar" for m in cfg.methods):
+    if any(m not in ("ar", "parallel_fill") for m in cfg.methods):
         folder = cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name)
         head = load_runtime_head(folder, target)
     budget = TreeBudget(d.topk, d.depth, d.total_tokens)
@@ -66,6 +69,9 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos) -> dict[str, Callab
                             SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
                                              side_depth=d.side_depth))
             decoders[m] = sf.decode
+        elif m == "parallel_fill":
+            pf = ParallelFill(target, tokenizer, eos)
+            decoders[m] = lambda r, ids: pf.decode(ids, ar_outputs[r.id]["text"], ar_outputs[r.id]["output_ids"])
     return {m: decoders[m] for m in cfg.methods}  # the order asked for
 
 
@@ -79,7 +85,7 @@ def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
     for r in rows:
         for k, v in r["times"].items():
             times[k] = times.get(k, 0.0) + v
-    return {"accept_length": tokens / max(calls, 1), "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
+    return {"accept_length": tokens / calls if calls else None, "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
             "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
             "nodes_per_verify": sum(verifies) / max(len(verifies), 1),
             "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),
@@ -118,9 +124,10 @@ def run(cfg: InferConfig) -> dict:
         raise ValueError(f"no decodable request in {cfg.requests} ({len(skipped)} skipped)")
 
     # ---- decode, method by method, the same requests
-    decoders = build_decoders(cfg, target, tokenizer, eos)
-    out = Path(cfg.out)
     outputs: dict[str, list[dict]] = {}
+    ar_outputs: dict[str, dict] = {}
+    decoders = build_decoders(cfg, target, tokenizer, eos, ar_outputs)
+    out = Path(cfg.out)
     for method, decode in decoders.items():
         for r in kept[: cfg.warmup]:
             decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))
@@ -134,6 +141,8 @@ def run(cfg: InferConfig) -> dict:
                          "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
                          "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times})
         outputs[method] = rows
+        if method == "ar":
+            ar_outputs.update((row["id"], row) for row in rows)
 
     # ---- metrics, pooled over requests
     reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs else None
@@ -144,11 +153,12 @@ def run(cfg: InferConfig) -> dict:
     atomic.write_jsonl(out / "skipped.jsonl", skipped)
     atomic.write_json(out / "metrics.json", metrics)
     ar_tps = metrics.get("ar", {}).get("tps")
-    print(f"{'method':<12} {'AL':>6} {'TPS':>8} {'×AR':>6} {'agree':>6} {'nodes':>6}")
+    print(f"{'method':<13} {'AL':>6} {'TPS':>8} {'×AR':>6} {'agree':>6} {'nodes':>6}")
     for m, v in metrics.items():
         ratio = f"{v['tps'] / ar_tps:6.2f}" if ar_tps else "     -"
         agree = f"{v['ar_agreement']:6.3f}" if v["ar_agreement"] is not None else "     -"
-        print(f"{m:<12} {v['accept_length']:6.2f} {v['tps']:8.1f} {ratio} {agree} {v['nodes_per_verify']:6.1f}")
+        al = f"{v['accept_length']:6.2f}" if v["accept_length"] is not None else "     -"
+        print(f"{m:<13} {al} {v['tps']:8.1f} {ratio} {agree} {v['nodes_per_verify']:6.1f}")
     print(f"[infer] wrote {out / 'metrics.json'}")
     tracker = start_run(cfg.logger, to_dict(cfg), name=cfg.model.name, job_type="infer")
     try:

@@ -151,7 +151,7 @@ class PipelineConfig:
 
 
 METHODS = ("ar", "eagle3", "eagle3_wide", "schemafill", "schemafill_A", "schemafill_B", "schemafill_C",
-           "schemafill_D")
+           "schemafill_D", "parallel_fill")
 
 
 @dataclass
@@ -176,6 +176,9 @@ class InferConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"unknown method(s) {unknown}; the methods are {list(METHODS)}")
+        if "parallel_fill" in self.methods and ("ar" not in self.methods
+                                                or self.methods.index("ar") > self.methods.index("parallel_fill")):
+            raise ValueError("parallel_fill fills AR's skeleton: list ar before it in methods")
         if self.sample not in ("spread", "first"):
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
 

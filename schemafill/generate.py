@@ -44,7 +44,7 @@ class _Row:
     index: int  # which prompt
     length: int  # arena slots filled
     pending: int  # the newest token: emitted, not yet in the arena
-    stop: ResponseStop
+    stop: Any  # ResponseStop or a caller's rule with its interface
     prefilled: int
 
 
@@ -65,10 +65,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @torch.inference_mode()
 def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
              eos: frozenset[int] | None = None,
-             on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+             on_done: Callable[[int, Generation], None] | None = None,
+             make_stop: Callable[[int], Any] | None = None) -> list[Generation]:
     """Greedy responses for every prompt (admitted in the given order), returned in input
-    order; ``on_done(index, generation)`` is called as each one finishes."""
+    order; ``on_done(index, generation)`` is called as each one finishes. ``make_stop(index)``
+    replaces the response stopping rule with another object of ``ResponseStop``'s interface
+    (``push``, ``done``, ``ids``, ``text``, ``reason``)."""
     eos = eos_token_ids(tokenizer) if eos is None else eos
+    if make_stop is None:
+        def make_stop(_: int) -> ResponseStop:
+            return ResponseStop(tokenizer, eos, max_new_tokens)
     out: list[Generation | None] = [None] * len(prompts)
     if not prompts:
         return []
@@ -104,7 +110,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         f = target(torch.tensor(p[shared:], device=device)[None], pos, visible, pos, arena,
                    rows=torch.tensor([r], device=device), logits_at=torch.tensor([[len(p) - shared - 1]], device=device))
         holder = (r, p)
-        rows[r] = _Row(index=i, length=len(p), pending=-1, stop=ResponseStop(tokenizer, eos, max_new_tokens),
+        rows[r] = _Row(index=i, length=len(p), pending=-1, stop=make_stop(i),
                        prefilled=len(p) - shared)
         push(r, int(f.logits[0, 0].argmax()))
 

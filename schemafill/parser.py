@@ -43,6 +43,14 @@ class ParseState:
     last_call_end: int | None = None  # offset just past the "}" of the last closed call
 
 
+@dataclass(frozen=True)
+class CallLayout:
+    """One call of a response: its tool and where each argument value's literal lies."""
+
+    name: str | None
+    spans: tuple[tuple[str, int, int], ...]  # (key, start, end) offsets into the response text
+
+
 @dataclass
 class _Frame:
     kind: str  # "obj" | "arr"
@@ -293,6 +301,10 @@ class ToolCallParser:
 
     # ------------------------------------------------------------------ state
     @property
+    def layout(self) -> tuple[CallLayout, ...]:
+        return tuple(CallLayout(c.name, tuple(c.spans)) for c in self._calls)
+
+    @property
     def state(self) -> ParseState:
         depth = len(self._stack)
         in_call = (
@@ -327,3 +339,18 @@ class ToolCallParser:
 def parse_prefix(text: str) -> ParseState:
     """State after feeding ``text`` to a fresh parser."""
     return ToolCallParser().feed(text)
+
+
+def response_layout(text: str) -> tuple[CallLayout, ...]:
+    """Every call opened in ``text``, in order (the skeleton Parallel Fill fills)."""
+    parser = ToolCallParser()
+    parser.feed(text)
+    return parser.layout
+
+
+def value_literal(text: str, key: str) -> str | None:
+    """The literal of ``key``'s value in the last call of ``text``, once it has closed.
+
+    A number closes only at the character after it, so ``text`` may run one past it."""
+    state = parse_prefix(text)
+    return next((text[a:e] for k, a, e in state.spans if k == key), None)

@@ -44,12 +44,13 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(lines[:2] + ["{not json"] + lines[2:]) + "\n")
     lengths = [len(prompt_ids(ToolRequest.from_dict(json.loads(x)), "plain", smol_tokenizer)) for x in lines]
-    cfg = infer_cfg(tmp_path, tiny_target, tiny_head, requests, "methods=[ar,eagle3,eagle3_wide,schemafill]",
+    cfg = infer_cfg(tmp_path, tiny_target, tiny_head, requests, "methods=[ar,eagle3,eagle3_wide,schemafill,parallel_fill]",
                     f"model.max_context={max(lengths) - 1 + 24}")  # the longest prompt no longer fits
     result = run(cfg)
     out = tmp_path / "out"
     metrics = json.loads((out / "metrics.json").read_text())
-    assert list(metrics) == ["ar", "eagle3", "eagle3_wide", "schemafill"]
+    assert list(metrics) == ["ar", "eagle3", "eagle3_wide", "schemafill", "parallel_fill"]
+    assert metrics["parallel_fill"]["accept_length"] is None  # no verification: AL does not apply
     skipped = [json.loads(x) for x in (out / "skipped.jsonl").read_text().splitlines()]
     assert any(s["line"] == 3 and "not JSON" in s["reason"] for s in skipped)
     assert any("exceed the context" in s["reason"] for s in skipped)
@@ -70,6 +71,8 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
 def test_unknown_method_is_named(tmp_path, tiny_target, tiny_head):
     with pytest.raises(Exception, match="eagle9"):
         infer_cfg(tmp_path, tiny_target, tiny_head, tmp_path / "r.jsonl", "methods=[ar,eagle9]")
+    with pytest.raises(Exception, match="list ar before it"):
+        infer_cfg(tmp_path, tiny_target, tiny_head, tmp_path / "r.jsonl", "methods=[parallel_fill,ar]")
 
 
 def test_missing_head_says_how_to_make_one(tmp_path, tiny_target, builtin_artifacts):

@@ -1,0 +1,88 @@
+"""Parallel Fill: the skeleton-then-fill baseline (DESIGN §4; paper §5, after Skeleton-of-Thought).
+
+Given AR's response as the skeleton, every argument value is generated independently by
+the target — all of a request's values in one continuously batched stream — under the
+same private context a SchemaFill SIDE branch uses (prompt, ordinal hint, the call's
+canonical header up to the field's colon), and the response is rebuilt by putting each
+generated literal where AR's stood. It is *not* lossless: a value generated without the
+fields and calls before it can differ from AR's, which its AR agreement measures. Its
+throughput counts filling and reconstruction only (the skeleton is supplied), and it has
+no acceptance length. A response without argument values needs no target work at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infer.decoders import Decoded
+from infer.decoders.schemafill import ordinal_hint
+from infer.packer import HEADER, call_header, dumps
+from schemafill.generate import generate
+from schemafill.parser import parse_prefix, response_layout
+from schemafill.runtime import Target
+
+
+class ValueStop:
+    """Stopping rule for one value: its literal closed, EOS, a parse error, or the cap."""
+
+    def __init__(self, tokenizer: Any, eos: frozenset[int], header: str, key: str, max_tokens: int) -> None:
+        self.tokenizer, self.eos, self.header, self.key, self.max_tokens = tokenizer, eos, header, key, max_tokens
+        self.ids: list[int] = []
+        self.reason: str | None = None  # closed | eos | error | length
+        self.literal: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, tokens: list[int]) -> int:
+        taken = 0
+        for token in tokens:
+            if self.done:
+                break
+            self.ids.append(int(token))
+            taken += 1
+            if int(token) in self.eos:
+                self.reason = "eos"
+                break
+            text = self.header + self.text
+            if not text.endswith("\ufffd"):  # else a multi-byte character is still split
+                state = parse_prefix(text)
+                self.literal = next((text[a:e] for k, a, e in state.spans if k == self.key), None)
+                if self.literal is not None:
+                    self.reason = "closed"
+                elif state.error is not None:
+                    self.reason = "error"
+            if self.reason is None and len(self.ids) >= self.max_tokens:
+                self.reason = "length"
+        return taken
+
+
+class ParallelFill:
+    def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_value_tokens: int = 48,
+                 batch_size: int = 32) -> None:
+        self.target, self.tokenizer, self.eos = target, tokenizer, eos
+        self.max_value_tokens, self.batch_size = max_value_tokens, batch_size
+
+    def decode(self, prompt: list[int], skeleton_text: str, skeleton_ids: list[int]) -> Decoded:
+        """Fill AR's response (``skeleton_text``, tokens ``skeleton_ids``) value by value."""
+        tok = self.tokenizer
+        slots = [(j, call.name, key, a, e) for j, call in enumerate(response_layout(skeleton_text))
+                 if call.name is not None for key, a, e in call.spans]
+        headers = [HEADER + call_header(name) + dumps(key) + ":" for _, name, key, _, _ in slots]
+        stops = [ValueStop(tok, self.eos, h, key, self.max_value_tokens) for h, (_, _, key, _, _) in zip(headers, slots)]
+        prompts = [prompt + tok(ordinal_hint(j) + h, add_special_tokens=False).input_ids
+                   for h, (j, _, _, _, _) in zip(headers, slots)]
+        generate(self.target, tok, prompts, self.max_value_tokens, self.batch_size, self.eos,
+                 make_stop=lambda i: stops[i])
+
+        text = skeleton_text
+        for (_, _, _, a, e), stop in sorted(zip(slots, stops), key=lambda x: -x[0][3]):
+            text = text[:a] + (stop.literal if stop.literal is not None else stop.text) + text[e:]
+        ids = list(skeleton_ids) if text == skeleton_text else tok(text, add_special_tokens=False).input_ids
+        return Decoded(ids=ids, text=text, stop="closed" if parse_prefix(text).closed else "rebuilt",
+                       target_calls=0)

@@ -29,6 +29,7 @@ class ModelConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. Qwen3: {enable_thinking: false}
     max_context: int = 8192  # requests whose prompt + response cap exceed this are rejected, not truncated
     finetune: bool = False  # the `target` stage fine-tunes this model into a tool caller (built-in target)
+    draft_vocab_size: int | None = None  # this target's draft vocabulary size; null = drafter.draft_vocab_size
 
 
 @dataclass

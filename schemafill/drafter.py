@@ -152,33 +152,47 @@ class Eagle3Head(nn.Module):
         return self.midlayer.finish(hidden, attend(q, keys, values, visibility))
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
-                horizons: int) -> list[torch.Tensor]:
-        return self.ttt_forward(input_ids, aux, valid, horizons)
+                horizons: int, start: int = 0) -> list[torch.Tensor]:
+        return self.ttt_forward(input_ids, aux, valid, horizons, start)
 
     def ttt_forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
-                    horizons: int) -> list[torch.Tensor]:
-        """Training-time test over ``horizons`` steps; returns each step's output hidden state.
+                    horizons: int, start: int = 0) -> list[torch.Tensor]:
+        """Training-time test over ``horizons`` steps; returns each step's output hidden state
+        at positions ``start..T-1`` ([B, T-start, H] each).
 
         input_ids: [B, T] target tokens x; aux: [B, T, 3·Ht] target features at each
         position; valid: [B, T] real (non-pad) tokens, right-padded. ``logits`` of step k's
         output at t predict x[t+2+k]; they are left to the caller, which needs them only
         at the few positions that carry loss (the LM head is most of the head's cost).
+
+        Why ``start``: step 0 at t needs keys of every earlier position, but a step's output
+        at t feeds only the next step at the same t (later steps see their own diagonal),
+        so positions before the first one with loss — the prompt, most of each row — need
+        keys and values, never queries. Outputs from ``start`` on are exactly those of
+        ``start=0``; attention shrinks from T×T to (T-start)×T.
         """
         b, t = input_ids.shape
+        r = t - start
         dtype = aux.dtype
-        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        device = input_ids.device
+        positions = torch.arange(t, device=device).expand(b, t)
         hidden = self.fc(aux)  # [B, T, H]
-        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-        step0 = causal[None] & valid[:, None, :]  # [B, T, T]
-        diag = torch.eye(t, dtype=torch.bool, device=input_ids.device).expand(b, t, t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()[start:]  # [R, T]
+        step0 = causal[None] & valid[:, None, :]  # [B, R, T]
+        diag = torch.eye(r, dtype=torch.bool, device=device).expand(b, r, r)
         keys, values, outputs = [], [], []
         for k in range(horizons):
             ids = torch.roll(input_ids, shifts=-(1 + k), dims=1)  # x[t+1+k] (wrapped tail is masked by callers)
-            cos, sin = self.rotary(positions + k, dtype)
-            q, kk, vv = self.midlayer.qkv(self.embed_tokens(ids).to(dtype), hidden, cos, sin)
+            if k == 0:  # keys and values everywhere, queries from `start`
+                cos, sin = self.rotary(positions, dtype)
+                q, kk, vv = self.midlayer.qkv(self.embed_tokens(ids).to(dtype), hidden, cos, sin)
+                q, hidden = q[:, :, start:], hidden[:, start:]
+            else:
+                cos, sin = self.rotary(positions[:, start:] + k, dtype)
+                q, kk, vv = self.midlayer.qkv(self.embed_tokens(ids[:, start:]).to(dtype), hidden, cos, sin)
             keys.append(kk)
             values.append(vv)
-            visible = torch.cat([step0] + [diag] * k, dim=-1)  # [B, T, T*(k+1)]
+            visible = torch.cat([step0] + [diag] * k, dim=-1)  # [B, R, T + R*k]
             attn = attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), visible)
             hidden = self.midlayer.finish(hidden, attn)
             outputs.append(hidden)

@@ -53,6 +53,21 @@ def test_step0_is_causal_and_later_steps_see_only_their_diagonal():
     assert torch.allclose(short[0][0, :3], base[0][0, :3], atol=1e-5)
 
 
+def test_queries_from_start_give_the_same_outputs():
+    """The prompt contributes keys only: outputs from ``start`` equal the full run's there."""
+    head = tiny_head(2)
+    ids = torch.randint(0, 50, (2, 9))
+    aux = torch.randn(2, 9, 48)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 7:] = False  # a right-padded row
+    full = head.ttt_forward(ids, aux, valid, horizons=3)
+    for start in (1, 4, 8):
+        part = head.ttt_forward(ids, aux, valid, horizons=3, start=start)
+        for k in range(3):
+            assert part[k].shape == (2, 9 - start, 16)
+            assert torch.allclose(part[k], full[k][:, start:], atol=1e-5)
+
+
 def test_step_k_uses_the_heads_own_previous_output():
     """Step 1 at position t must equal: run step 0, then attend to step-0 keys <= t plus its own key."""
     head = tiny_head(1)

@@ -136,10 +136,15 @@ class Batcher:
 
 
 def run_ttt(model: Any, head: Eagle3Head, batcher: "Batcher", batch: dict, horizons: int, decay: float):
-    """``model`` is what runs the forward (DDP-wrapped when distributed); ``head`` the bare head."""
-    outputs = model(batch["input_ids"], batch["aux"], batch["valid"], horizons)
-    return ttt_loss(outputs, head.logits, batch["target_final"], batcher.target_logits, batch["target_argmax"],
-                    batch["loss_mask"],
+    """``model`` is what runs the forward (DDP-wrapped when distributed); ``head`` the bare head.
+
+    Queries start ``horizons + 1`` positions before the batch's first loss-carrying token
+    (step k at t predicts x[t+2+k]): the prompt before it contributes keys only."""
+    first = int(batch["loss_mask"].any(0).nonzero()[0]) if bool(batch["loss_mask"].any()) else 0
+    start = max(0, first - 1 - horizons)
+    outputs = model(batch["input_ids"], batch["aux"], batch["valid"], horizons, start)
+    return ttt_loss(outputs, head.logits, batch["target_final"][:, start:], batcher.target_logits,
+                    batch["target_argmax"][:, start:], batch["loss_mask"][:, start:],
                     head.t2d, head.draft_to_target, decay)
 
 
@@ -202,7 +207,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                         cfg.model.revision)
     target.requires_grad_(False)
     vocab_size = target.config.vocab_size
-    size = min(dc.draft_vocab_size, vocab_size)
+    size = min(cfg.model.draft_vocab_size or dc.draft_vocab_size, vocab_size)
     vocab = draft_vocab(rows, train_idx, vocab_size, size, sorted(eos_token_ids(tokenizer, target.generation_config)),
                         out.parent / ".vocab" / f"{cfg.model.name}-{fingerprint([data_fp, vocab_size, size, tokenizer.name_or_path])}.pt")
     cache = None

@@ -89,6 +89,7 @@ def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
             "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
             "nodes_per_verify": sum(verifies) / max(len(verifies), 1),
             "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),
+            "kv_rows": sum(r["kv_rows"] for r in rows) / len(rows) if rows and all(r["kv_rows"] for r in rows) else None,
             "time_breakdown": {k: round(v, 3) for k, v in times.items()}}
 
 
@@ -139,7 +140,7 @@ def run(cfg: InferConfig) -> dict:
             seconds = time.perf_counter() - t0
             rows.append({"id": r.id, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
                          "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
-                         "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times})
+                         "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows})
         outputs[method] = rows
         if method == "ar":
             ar_outputs.update((row["id"], row) for row in rows)
@@ -149,7 +150,7 @@ def run(cfg: InferConfig) -> dict:
     metrics = {m: pooled(rows, reference) for m, rows in outputs.items()}
     for m, rows in outputs.items():
         atomic.write_jsonl(out / "outputs" / f"{m}.jsonl",
-                           [{k: v for k, v in r.items() if k not in ("nodes", "init_nodes", "times")} for r in rows])
+                           [{k: v for k, v in r.items() if k not in ("nodes", "init_nodes", "times", "kv_rows")} for r in rows])
     atomic.write_jsonl(out / "skipped.jsonl", skipped)
     atomic.write_json(out / "metrics.json", metrics)
     ar_tps = metrics.get("ar", {}).get("tps")
@@ -165,7 +166,7 @@ def run(cfg: InferConfig) -> dict:
         tracker.summary({f"{m}/{k}": v for m, vals in metrics.items() for k, v in vals.items() if v is not None})
     finally:
         tracker.finish()
-    return {"metrics": metrics, "skipped": skipped, "out": str(out)}
+    return {"metrics": metrics, "skipped": skipped, "out": str(out), "rows": outputs}
 
 
 register_configs()

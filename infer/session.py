@@ -57,6 +57,7 @@ class MainSession:
     target_calls: int = 0
     nodes: list[int] = field(default_factory=list)  # tree nodes (MAIN + SIDE) per verification
     new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
+    peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
 
     def __post_init__(self) -> None:
         self.side_base = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
@@ -121,6 +122,8 @@ class MainSession:
                         mask.to(dev)[None], torch.tensor(slots, device=dev)[None], self.arena)
         self.target_calls += 1
         self.nodes.append(rows - main_rows + len(tree_tokens))
+        side = {s for seg in extra for see in seg.visible for s in see if s >= self.side_base}
+        self.peak_rows = max(self.peak_rows, max(slots[:main_rows]) + 1 + len(side))
         choice = f.logits[0].argmax(-1).tolist()
         first_tree = main_rows - len(tree_tokens)  # index of the first MAIN tree node in this call
         main_choice = [choice[first_tree - 1]] + choice[first_tree:main_rows]

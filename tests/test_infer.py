@@ -63,9 +63,13 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert metrics["eagle3"]["nodes_per_verify"] <= 8 < metrics["eagle3_wide"]["nodes_per_verify"] <= 60
     rows = [json.loads(x) for x in (out / "outputs" / "eagle3.jsonl").read_text().splitlines()]
     assert set(rows[0]) == {"id", "text", "prompt_ids", "output_ids", "target_calls", "seconds", "stop"}
-    assert set(metrics["schemafill"]["time_breakdown"]) == {"forecast", "drafting", "verification", "other"}
+    assert set(metrics["schemafill"]["time_breakdown"]) == {"forecast", "drafting", "verification", "other",
+                                                            "initialisation"}
+    for row in result["rows"]["ar"]:  # AR's KV holds the prompt and every response token but the last
+        assert row["kv_rows"] == len(row["prompt_ids"]) + len(row["output_ids"]) - 1
+    assert metrics["ar"]["kv_rows"] <= metrics["eagle3"]["kv_rows"]
     assert metrics["schemafill"]["init_nodes"] > 0  # forecast candidates verified with the prompt
-    assert result["metrics"] == metrics
+    assert result["metrics"] == metrics and set(result["rows"]) == set(metrics)
 
 
 def test_unknown_method_is_named(tmp_path, tiny_target, tiny_head):

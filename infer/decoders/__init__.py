@@ -17,3 +17,4 @@ class Decoded:
     nodes: list[int] = field(default_factory=list)  # draft nodes per verification
     init_nodes: int = 0  # tree nodes verified with the prompt (SchemaFill's initialisation)
     times: dict[str, float] = field(default_factory=dict)  # seconds by phase, where a decoder splits them
+    kv_rows: int = 0  # peak target KV rows holding live data (prompt, committed, tree, SIDE); 0 = not measured

@@ -119,6 +119,18 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Stage `eval`: every method on the evaluation sets, side by side, and the report."""
+
+    datasets: list[str] = field(default_factory=lambda: ["bfcl450", "glaive650"])  # absent sets are skipped
+    methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "parallel_fill", "schemafill"])
+    ablations: bool = True  # Table 2: SchemaFill stages A-C too, on bfcl450 (schemafill itself is D)
+    limit: int = 0  # requests per dataset, evenly spread over the file (categories stay balanced); 0 = all
+    repeats: int = 1  # timed launches per dataset; TPS is reported as mean ± sample std when > 1
+    warmup: int = 1
+
+
+@dataclass
 class LoggerConfig:
     backend: str = "wandb"  # wandb | none
     project: str = "schemafill"
@@ -142,6 +154,7 @@ class PipelineConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
 

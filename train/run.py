@@ -18,29 +18,18 @@ import hydra
 from omegaconf import DictConfig
 
 from data_gen.run import build_continuations, build_requests
+from infer.eval import build_eval
 from train.eagle3 import build_head
 from train.target import build_target
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
 from schemafill.tracking import NullTracker, start_run
 
-# Stage name → runner(cfg, tracker) -> dict. Stages not here yet fail loudly, naming the issue.
+# Stage name → runner(cfg, tracker) -> dict
 RUNNERS = {"requests": build_requests, "target": build_target, "continuations": build_continuations,
-           "head": build_head}
-PLANNED = {"eval": "#8"}
-
-
-def check_stages(stages: list[str]) -> None:
-    missing = [s for s in stages if s not in RUNNERS]
-    if missing:
-        detail = ", ".join(f"{s!r} (issue {PLANNED.get(s, '?')})" for s in missing)
-        raise NotImplementedError(
-            f"stage(s) {detail} not implemented yet; implemented: {list(RUNNERS)}. "
-            f"Pick stages with stages=[...]"
-        )
+           "head": build_head, "eval": build_eval}
 
 
 def run(cfg: PipelineConfig) -> dict:
-    check_stages(cfg.stages)
     stages = [s for s in STAGES if s in cfg.stages]  # pipeline order, whatever order was given
     # under `accelerate launch`, one W&B run: the main process tracks, the others keep quiet.
     # Read the launcher's RANK rather than creating Accelerate state here: each stage sets up

@@ -7,7 +7,8 @@ canonical header up to the field's colon), and the response is rebuilt by puttin
 generated literal where AR's stood. It is *not* lossless: a value generated without the
 fields and calls before it can differ from AR's, which its AR agreement measures. Its
 throughput counts filling and reconstruction only (the skeleton is supplied), and it has
-no acceptance length. A response without argument values needs no target work at all.
+no acceptance length. A response without argument values still costs the prompt's
+prefill (the target must read the request), and nothing more.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any
 from infer.decoders import Decoded
 from infer.decoders.schemafill import ordinal_hint
 from infer.packer import HEADER, call_header, dumps
+from infer.session import MainSession
 from schemafill.generate import generate
 from schemafill.parser import parse_prefix, response_layout
 from schemafill.runtime import Target
+from schemafill.stopping import ResponseStop
 
 
 class ValueStop:
@@ -77,8 +80,11 @@ class ParallelFill:
         stops = [ValueStop(tok, self.eos, h, key, self.max_value_tokens) for h, (_, _, key, _, _) in zip(headers, slots)]
         prompts = [prompt + tok(ordinal_hint(j) + h, add_special_tokens=False).input_ids
                    for h, (j, _, _, _, _) in zip(headers, slots)]
-        generate(self.target, tok, prompts, self.max_value_tokens, self.batch_size, self.eos,
-                 make_stop=lambda i: stops[i])
+        if prompts:  # the first admission prefills the prompt; the rest reuse it
+            generate(self.target, tok, prompts, self.max_value_tokens, self.batch_size, self.eos,
+                     make_stop=lambda i: stops[i])
+        else:
+            MainSession(self.target, prompt, ResponseStop(tok, self.eos, 1), scratch=0).prefill()
 
         text = skeleton_text
         for (_, _, _, a, e), stop in sorted(zip(slots, stops), key=lambda x: -x[0][3]):

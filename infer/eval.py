@@ -1,0 +1,245 @@
+"""Stage `eval`: every method on the evaluation sets, side by side, and the paper's tables.
+
+    python train/run.py model=<m> stages=[eval]        # as a pipeline stage
+    python infer/eval.py model=<m>                      # alone, same config tree
+
+For each evaluation set in ``artifacts/requests`` (``bfcl450``; ``glaive650`` when Glaive was
+configured, else skipped with a message) it decodes ``eval.methods`` — plus SchemaFill's
+ablation stages A–C on bfcl450 — with ``infer/run.py``'s ``run``, ``eval.repeats`` times,
+and writes ``artifacts/eval/<model>/``:
+
+* ``metrics.json`` — ``{dataset: {method: {accept_length, tps, tps_std, speedup, ar_agreement,
+  tokens, target_calls, seconds, requests, nodes_per_verify, kv_rows, ...}}}``;
+* ``by_calls.json`` — the same per number of calls in AR's response (1, 2, 3, 4+);
+* ``report.md`` with Tables 1–5 and ``plots/*.png``; the same tables, plots and the report
+  go to W&B.
+
+Each finished launch is kept in a work folder, so an interrupted stage resumes at the next
+launch; the stage is cached by the fingerprint of the target, head, requests and settings.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from schemafill import atomic
+from schemafill.config import InferConfig, LoggerConfig, PipelineConfig, to_dict
+from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
+from schemafill.models import target_location
+from schemafill.toolcall import parse_response
+
+from infer import report
+from infer.run import pooled
+from infer.run import run as infer_run
+
+OUTPUTS = ["metrics.json", "by_calls.json", "report.md"]
+GLAIVE_HINT = "Glaive is not configured: set data.glaive to the corpus (hub id or local copy) and rerun `requests`"
+
+
+def eval_dir(cfg: PipelineConfig) -> Path:
+    return Path(cfg.paths.artifacts) / "eval" / cfg.model.name
+
+
+def methods_for(cfg: PipelineConfig, dataset: str) -> list[str]:
+    methods = list(cfg.eval.methods)
+    if cfg.eval.ablations and dataset == "bfcl450":
+        stages = ["schemafill_A", "schemafill_B", "schemafill_C"]
+        if cfg.decode.ablation != "D" or "schemafill" not in methods:
+            stages.append("schemafill_D")
+        methods += [m for m in stages if m not in methods]
+    return methods
+
+
+def call_group(text: str) -> str:
+    calls = parse_response(text.strip())
+    if not calls:
+        return "none"
+    return str(len(calls)) if len(calls) < 4 else "4+"
+
+
+def summarize(launches: list[dict[str, list[dict]]]) -> dict[str, dict]:
+    """Pooled metrics per method over the first launch; TPS mean ± sample std over all."""
+    first = launches[0]
+    reference = {r["id"]: r["output_ids"] for r in first["ar"]} if "ar" in first else None
+    out = {m: pooled(rows, reference) for m, rows in first.items()}
+    for m in out:
+        tps = [pooled(launch[m], None)["tps"] for launch in launches]
+        out[m]["tps"] = statistics.fmean(tps)
+        out[m]["tps_std"] = statistics.stdev(tps) if len(tps) > 1 else None
+        out[m]["launches"] = len(tps)
+    ar_tps = out.get("ar", {}).get("tps")
+    for m in out.values():
+        m["speedup"] = m["tps"] / ar_tps if ar_tps else None
+    return out
+
+
+def by_calls(rows: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    """Pooled metrics per group of requests with the same number of calls in AR's response."""
+    if "ar" not in rows:
+        return {}
+    group = {r["id"]: call_group(r["text"]) for r in rows["ar"]}
+    reference = {r["id"]: r["output_ids"] for r in rows["ar"]}
+    out: dict[str, dict[str, dict]] = {}
+    for g in sorted(set(group.values()), key=lambda g: (g == "none", g)):
+        out[g] = {m: pooled([r for r in rs if group[r["id"]] == g], reference) for m, rs in rows.items()}
+    return out
+
+
+def kv_bytes_per_row(location: str, dtype_bytes: int, revision: str | None) -> int:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(location, revision=revision)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return c.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
+    import torch
+
+    from schemafill.device import resolve_device, resolve_dtype
+
+    ec = cfg.eval
+    art = Path(cfg.paths.artifacts)
+    out = eval_dir(cfg)
+    location = target_location(cfg.model, cfg.paths.artifacts)
+    head = art / "heads" / cfg.model.name
+    files = {d: art / "requests" / f"{d}.jsonl" for d in ec.datasets}
+    present = {d: f for d, f in files.items() if f.is_file()}
+    for d in files.keys() - present.keys():
+        print(f"[eval] {d}: {files[d]} not found — skipped" + (f" ({GLAIVE_HINT})" if d.startswith("glaive") else ""))
+    if not present:
+        raise FileNotFoundError(f"no evaluation set found in {art / 'requests'}: run the `requests` stage first")
+    if not (head / "config.json").is_file():
+        raise FileNotFoundError(f"{head} missing: run stages=[continuations,head] first")
+    fp = fingerprint({"eval": to_dict(ec), "decode": to_dict(cfg.decode), "model": to_dict(cfg.model),
+                      "target": (read_manifest(location) or {}).get("fingerprint", location),
+                      "head": (read_manifest(head) or {}).get("fingerprint"), "seed": cfg.seed,
+                      "requests": {d: file_digest(f) for d, f in present.items()}, "format": 1})
+    if is_fresh(out, fp, OUTPUTS):
+        print(f"[eval] up to date in {out} (fingerprint {fp})")
+        return {"metrics": json.loads((out / "metrics.json").read_text()), "report": str(out / "report.md"),
+                "cached": True}
+
+    work = out.parent / f".{out.name}.work" / fp
+    metrics: dict[str, dict] = {}
+    calls: dict[str, dict] = {}
+    for dataset, path in present.items():
+        launches = []
+        for rep in range(ec.repeats):
+            saved = work / dataset / f"launch_{rep}.json"
+            if saved.is_file():  # finished before an interruption
+                launches.append(json.loads(saved.read_text()))
+                continue
+            print(f"[eval] {dataset}: launch {rep + 1}/{ec.repeats}")
+            icfg = InferConfig(requests=str(path), methods=methods_for(cfg, dataset),
+                               out=str(work / dataset / f"infer_{rep}"), head=str(head), limit=ec.limit,
+                               sample="spread", warmup=ec.warmup, seed=cfg.seed, model=cfg.model, decode=cfg.decode,
+                               logger=LoggerConfig(backend="none"), paths=cfg.paths)
+            rows = infer_run(icfg)["rows"]
+            atomic.write_json(saved, rows)
+            launches.append(rows)
+        metrics[dataset] = summarize(launches)
+        calls[dataset] = by_calls(launches[0])
+
+    device = resolve_device()
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    per_row = kv_bytes_per_row(location, torch.empty(0, dtype=dtype).element_size(), cfg.model.revision)
+    with atomic.atomic_path(out) as tmp:
+        atomic.write_json(tmp / "metrics.json", metrics)
+        atomic.write_json(tmp / "by_calls.json", calls)
+        tables, plots = write_report(tmp, cfg.model.name, metrics, calls, per_row, str(dtype).replace("torch.", ""))
+        write_manifest(tmp, fp, stage="eval", target=location, head=str(head))
+    shutil.rmtree(work.parent, ignore_errors=True)
+    print(f"[eval] report: {out / 'report.md'}")
+    if tracker is not None:
+        for name, (columns, rows) in tables.items():
+            tracker.table(f"eval/{name}", columns, rows)
+        for name in plots:
+            tracker.image(f"eval/{name}", out / "plots" / f"{name}.png")
+        tracker.summary({f"eval/{d}/{m}/{k}": v for d, ms in metrics.items() for m, vals in ms.items()
+                         for k, v in vals.items() if k in ("accept_length", "tps", "speedup", "ar_agreement")
+                         and v is not None})
+        tracker.artifact(out, f"eval-{cfg.model.name}", "eval")
+        tracker.artifact(head, f"head-{cfg.model.name}", "model")
+    return {"metrics": metrics, "report": str(out / "report.md"), "cached": False}
+
+
+def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per_row: int,
+                 dtype: str) -> tuple[dict, list[str]]:
+    """report.md and plots/*.png in ``folder``; returns the tables and plot names."""
+    tables = {"table1_end_to_end": report.table1(metrics)}
+    lines = [f"# SchemaFill evaluation — `{model}`", "",
+             "AL = committed tokens per target call (prefill included); E2E TPS = committed tokens per second, "
+             "timed from prompt rendering to stop; speedup = TPS / AR's TPS in the same launch; "
+             "AR agreement = share of requests whose tokens equal AR's.", "",
+             "## Table 1 — end to end", "", report.markdown(*tables["table1_end_to_end"]), ""]
+    plots = []
+    main = "bfcl450" if "bfcl450" in metrics else next(iter(metrics))
+    m = metrics[main]
+    if any(k.startswith("schemafill_") for k in m):
+        tables["table2_ablation"] = report.table2(m)
+        lines += [f"## Table 2 — ablation on {main}", "", report.markdown(*tables["table2_ablation"]), ""]
+    if calls.get(main):
+        tables["table3_by_calls"] = report.table3(calls[main])
+        lines += [f"## Table 3 — by the number of calls in AR's response ({main})", "",
+                  report.markdown(*tables["table3_by_calls"]), ""]
+    tables["table4_kv"] = report.table4(m, bytes_per_row)
+    lines += [f"## Table 4 — per-request target KV ({main}, {dtype})", "",
+              "Peak rows holding live KV (prompt, committed response, the tree under verification, SIDE "
+              "branches); reserved spare capacity and the drafter's KV are excluded.", "",
+              report.markdown(*tables["table4_kv"]), ""]
+    sf = m.get("schemafill") or m.get("schemafill_D")
+    if sf and sf.get("time_breakdown"):
+        tables["table5_time"] = report.table5(sf)
+        lines += [f"## Table 5 — SchemaFill time breakdown ({main})", "", report.markdown(*tables["table5_time"]), ""]
+
+    lines += ["## Plots", ""]
+    shown = {k: v for k, v in m.items() if v["accept_length"] is not None}
+    report.bar_plot({k: v["accept_length"] for k, v in shown.items()}, "accept length", f"AL per method ({main})",
+                    folder / "plots" / "al_per_method.png")
+    report.bar_plot({k: v["speedup"] for k, v in m.items() if v.get("speedup") is not None}, "speedup over AR",
+                    f"Speedup per method ({main})", folder / "plots" / "speedup_per_method.png")
+    plots += ["al_per_method", "speedup_per_method"]
+    groups = {g: ms for g, ms in (calls.get(main) or {}).items() if g != "none"}
+    if groups:
+        series = {meth: {g: ms[meth]["accept_length"] for g, ms in groups.items()
+                         if ms[meth]["accept_length"] is not None}
+                  for meth in ("eagle3", "schemafill") if all(meth in ms for ms in groups.values())}
+        if series:
+            report.line_plot(series, "calls in AR's response", "accept length", f"AL by call count ({main})",
+                             folder / "plots" / "al_by_calls.png")
+            plots.append("al_by_calls")
+    lines += [f"![{p}](plots/{p}.png)" for p in plots] + [""]
+    atomic.write_text(folder / "report.md", "\n".join(lines))
+    return tables, plots
+
+
+def main() -> None:
+    import hydra
+    from omegaconf import DictConfig
+
+    from schemafill.config import register_configs, to_dataclass
+    from schemafill.tracking import start_run
+
+    register_configs()
+
+    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        pc = to_dataclass(cfg)
+        tracker = start_run(pc.logger, to_dict(pc), name=pc.model.name, job_type="eval")
+        try:
+            build_eval(pc, tracker)
+        finally:
+            tracker.finish()
+
+    _main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -117,3 +117,29 @@ def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
     target, tok, eos = base_target
     for _ in check(target, tok, eos, list(CASES), "BCD", max_new=48):
         pass
+
+
+def test_sibling_branches_share_one_trunk(smol_tokenizer):
+    from infer.decoders.schemafill import Branch, SideContexts, ordinal_hint
+    from infer.packer import HEADER, call_header, dumps
+
+    tok = smol_tokenizer
+    contexts = SideContexts(tok, prompt_len=5, base=100, size=200)
+    branches = [Branch(call=1, tool="get_weather", field=f, hint=ordinal_hint(1),
+                       header=HEADER + call_header("get_weather") + dumps(f) + ":") for f in ("city", "unit", "days")]
+    opened = [contexts.open(b) for b in branches]
+    assert [len(s) for s in opened] == [2, 1, 1]  # the trunk is computed once, with the first branch
+    trunk = opened[0][0]
+    for b, segments in zip(branches, opened):
+        own = segments[-1]
+        # each branch still sees exactly its own tokenisation, at consecutive positions
+        assert trunk.tokens + own.tokens == tok(b.hint + b.header, add_special_tokens=False).input_ids
+        assert own.positions == list(range(5 + len(trunk.tokens), 5 + len(trunk.tokens) + len(own.tokens)))
+        assert own.visible[-1] == list(range(5)) + b.trunk.slots + b.slots
+    b = branches[1]
+    b.pending = 42
+    step = contexts.step(b)
+    assert step.positions == [5 + len(trunk.tokens) + len(b.slots) - 1] and step.visible[0][-1] == step.slots[0]
+    for b in branches:
+        contexts.free(b)
+    assert not contexts.trunks and sorted(contexts.pool.free) == list(range(100, 300))  # nothing leaks

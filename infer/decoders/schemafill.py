@@ -48,6 +48,7 @@ from infer.head_drafter import HeadDrafter, TreeBudget
 from infer.packer import HEADER, CallPlan, call_header, dumps, propose
 from infer.session import MainSession, Segment
 from infer.tree import chain, merge
+from schemafill.generate import common_prefix
 from schemafill.parser import parse_prefix
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
@@ -82,7 +83,8 @@ class Branch:
     field: str
     hint: str  # ordinal hint of the call position it was opened for (kept if the plan is rebound)
     header: str  # the canonical call text after the hint, up to the field's colon
-    slots: list[int] = field(default_factory=list)  # arena rows of its private tokens (positions P, P+1, ...)
+    trunk: "Trunk | None" = None  # the prefix it shares with sibling branches (None: all its own)
+    slots: list[int] = field(default_factory=list)  # arena rows of its own tokens, after the trunk's
     pending: int | None = None  # the target's next token for it, KV not yet computed
     value: list[int] = field(default_factory=list)  # value tokens generated so far
 
@@ -107,16 +109,102 @@ def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: st
 
 
 class SlotPool:
-    """Free SIDE rows of the arena."""
+    """Free SIDE rows of the arena (lowest first, so the attended span stays short)."""
 
     def __init__(self, base: int, size: int) -> None:
         self.free = list(range(base + size - 1, base - 1, -1))
 
-    def take(self) -> int | None:
-        return self.free.pop() if self.free else None
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.pop() for _ in range(n)]
 
     def give(self, slots: list[int]) -> None:
         self.free.extend(reversed(slots))
+
+
+@dataclass
+class Trunk:
+    ids: list[int]  # tokens every branch on it starts with
+    slots: list[int]
+    branches: int = 0
+
+
+class SideContexts:
+    """The SIDE part of the arena: slots, and trunks shared by sibling branches.
+
+    A branch's private context is ``hint + header`` tokenised as one piece. Its siblings
+    (same call, other fields) share ``hint + call header``; that shared part is computed
+    once, as a trunk every sibling sees, and each branch adds only its own tokens — the
+    paper's "shared nodes count once per verification". Only the tokens the full and the
+    shared text tokenise alike are shared (BPE may merge across the boundary), so every
+    branch still sees exactly its own tokenisation.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_len: int, base: int, size: int) -> None:
+        self.tokenizer, self.p = tokenizer, prompt_len
+        self.pool = SlotPool(base, size)
+        self.trunks: dict[tuple[int, ...], Trunk] = {}
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def open(self, b: Branch) -> list[Segment] | None:
+        """Segments that compute ``b``'s context (a new trunk first, if one is needed); None
+        when the pool is full (try again next round)."""
+        ids = self._ids(b.hint + b.header)
+        shared = common_prefix(ids, self._ids(b.hint + HEADER + call_header(b.tool)))
+        shared = min(shared, len(ids) - 1)  # the branch keeps at least its last token: its choice is the value's start
+        segments = []
+        key = tuple(ids[:shared])
+        trunk = self.trunks.get(key) if shared else None
+        if trunk is None and shared:
+            slots = self.pool.take(shared)
+            if slots is None:
+                return None
+            trunk = self.trunks[key] = Trunk(list(key), slots)
+            segments.append(self._segment(list(key), 0, [], slots))
+        own = ids[shared:]
+        slots = self.pool.take(len(own))
+        if slots is None:
+            if trunk is not None and not trunk.branches:
+                self._drop(trunk)
+            return None
+        if trunk is not None:
+            trunk.branches += 1
+        b.trunk, b.slots = trunk, slots
+        segments.append(self._segment(own, shared, trunk.slots if trunk else [], slots))
+        return segments
+
+    def step(self, b: Branch) -> Segment | None:
+        """The branch's pending token as one node; None when the pool is full."""
+        slots = self.pool.take(1)
+        if slots is None:
+            return None
+        b.slots += slots
+        b.value.append(b.pending)
+        base = b.trunk.slots if b.trunk else []
+        return Segment(tokens=[b.pending], positions=[self.p + len(base) + len(b.slots) - 1], slots=slots,
+                       visible=[list(range(self.p)) + base + b.slots])
+
+    def free(self, b: Branch) -> None:
+        self.pool.give(b.slots)
+        b.slots = []
+        if b.trunk is not None:
+            b.trunk.branches -= 1
+            if not b.trunk.branches:
+                self._drop(b.trunk)
+            b.trunk = None
+
+    def _drop(self, trunk: Trunk) -> None:
+        self.pool.give(trunk.slots)
+        del self.trunks[tuple(trunk.ids)]
+
+    def _segment(self, tokens: list[int], offset: int, seen: list[int], slots: list[int]) -> Segment:
+        """Causal nodes at positions P+offset.. that see the prompt, ``seen`` and each other."""
+        context = list(range(self.p)) + seen
+        return Segment(tokens=tokens, positions=list(range(self.p + offset, self.p + offset + len(tokens))),
+                       slots=slots, visible=[context + slots[: i + 1] for i in range(len(tokens))])
 
 
 class SchemaFill:
@@ -154,7 +242,7 @@ class SchemaFill:
         capacity = (cfg.max_branches * (64 + cfg.max_value_tokens)) if side else 0
         s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
                         scratch=cfg.budget.total + cfg.max_chain, side_capacity=capacity)
-        pool = SlotPool(s.side_base, capacity)
+        contexts = SideContexts(tok, len(prompt), s.side_base, capacity)
         self.drafter.start(len(prompt) + self.max_new_tokens + 1)
         branches: list[Branch] = []
         prepared_keys: set[tuple[int, str]] = set()  # (call, field) whose value was prepared or retired
@@ -166,19 +254,18 @@ class SchemaFill:
             text = HEADER + call_header(plan.tool) + (dumps(plan.keys[0]) + ":" if plan.keys else "")
             candidates.append(chain(tok(text, add_special_tokens=False).input_ids[: cfg.max_chain]))
         tree = merge(candidates) if candidates else ([], [])
-        extra = []
+        extra, owners = [], []
         if side:
             branches = self._activate(branches, plans, 0, prepared_keys, set())
-            extra = [self._prefix_segment(b, len(prompt), pool) for b in branches]
-            branches = [b for b, seg in zip(branches, extra) if seg is not None]
-            extra = [seg for seg in extra if seg is not None]
+            branches = [b for b in branches if self._add(contexts.open(b), b, extra, owners)]
         times["other"] += time.perf_counter() - t
         t = time.perf_counter()
         v = s.prefill(tree[0], tree[1], extra)
         times["initialisation"] += time.perf_counter() - t
         init_nodes = len(tree[0]) + sum(len(seg.tokens) for seg in extra)
-        for b, choices in zip(branches, v.extra_choices):
-            b.pending = choices[-1]
+        for b, choices in zip(owners, v.extra_choices):
+            if b is not None:
+                b.pending = choices[-1]
 
         while not s.done:
             # ---- align the plans and branches with what MAIN realized
@@ -194,7 +281,7 @@ class SchemaFill:
                     stale = b.call < current or (b.call, b.field) in realized or b.call >= len(plans) \
                         or plans[b.call].tool != b.tool
                     if stale:
-                        pool.give(b.slots)
+                        contexts.free(b)
                         prepared_keys.add((b.call, b.field))
                     else:
                         kept.append(b)
@@ -215,13 +302,8 @@ class SchemaFill:
             # ---- SIDE nodes: new prefixes, then each branch's pending token
             t = time.perf_counter()
             extra, owners = [], []
-            for b in branches:
-                seg = self._prefix_segment(b, len(prompt), pool) if b.pending is None else self._step_segment(
-                    b, len(prompt), pool)
-                if seg is None:  # the pool is full: try again next round
-                    continue
-                extra.append(seg)
-                owners.append(b)
+            for b in branches:  # a branch the pool has no room for tries again next round
+                self._add(contexts.open(b) if b.pending is None else [contexts.step(b)], b, extra, owners)
             times["other"] += time.perf_counter() - t
 
             t = time.perf_counter()
@@ -230,9 +312,10 @@ class SchemaFill:
 
             t = time.perf_counter()
             for b, choices in zip(owners, v.extra_choices):
-                b.pending = choices[-1]
+                if b is not None:  # trunks have no owner: their choices are nobody's next token
+                    b.pending = choices[-1]
             if side:
-                branches = self._collect(branches, plans, pool, prepared_keys)
+                branches = self._collect(branches, plans, contexts, prepared_keys)
             times["other"] += time.perf_counter() - t
 
         return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls,
@@ -280,29 +363,17 @@ class SchemaFill:
                 have.add((j, key))
         return branches
 
-    def _prefix_segment(self, b: Branch, p: int, pool: SlotPool) -> Segment | None:
-        ids = self.tokenizer(b.hint + b.header, add_special_tokens=False).input_ids
-        slots = []
-        for _ in ids:
-            slot = pool.take()
-            if slot is None:
-                pool.give(slots)
-                return None
-            slots.append(slot)
-        b.slots = slots
-        visible = [list(range(p)) + slots[: i + 1] for i in range(len(ids))]
-        return Segment(tokens=ids, positions=list(range(p, p + len(ids))), slots=slots, visible=visible)
+    @staticmethod
+    def _add(segments: list[Segment | None] | None, b: Branch, extra: list[Segment],
+             owners: list[Branch | None]) -> bool:
+        """Queue a branch's segments for the next target call; its own segment comes last."""
+        if not segments or segments[-1] is None:
+            return False
+        extra += segments
+        owners += [None] * (len(segments) - 1) + [b]
+        return True
 
-    def _step_segment(self, b: Branch, p: int, pool: SlotPool) -> Segment | None:
-        slot = pool.take()
-        if slot is None:
-            return None
-        b.slots.append(slot)
-        b.value.append(b.pending)
-        return Segment(tokens=[b.pending], positions=[p + len(b.slots) - 1], slots=[slot],
-                       visible=[list(range(p)) + b.slots])
-
-    def _collect(self, branches: list[Branch], plans: list[CallPlan], pool: SlotPool,
+    def _collect(self, branches: list[Branch], plans: list[CallPlan], contexts: SideContexts,
                  done: set[tuple[int, str]]) -> list[Branch]:
         """Branches whose value literal closed hand it to their plan and are freed."""
         kept = []
@@ -315,13 +386,13 @@ class SchemaFill:
                 if span is not None:
                     literal = text[span[0]:span[1]]
                 elif state.error is not None or len(b.value) >= self.cfg.max_value_tokens or b.pending in self.eos:
-                    pool.give(b.slots)
+                    contexts.free(b)
                     done.add((b.call, b.field))
                     continue
             if literal is not None:
                 if b.call < len(plans) and plans[b.call].tool == b.tool:
                     plans[b.call].values[b.field] = literal
-                pool.give(b.slots)
+                contexts.free(b)
                 done.add((b.call, b.field))
                 continue
             kept.append(b)

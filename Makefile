@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run test test-full bench gpu-check clean
+.PHONY: help setup run full test test-full bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,8 +32,11 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)  ## create .venv (if missing) and install everything; quick when done
 
-run: setup  ## run the whole pipeline on the built-in target (CPU)
+run: setup  ## the whole pipeline on the built-in target, CPU-sized (report: artifacts/eval/smollm2-135m/report.md)
 	$(BIN)/python train/run.py model=smollm2-135m
+
+full: setup  ## the whole-pool recipe for the built-in target (hours on a CPU; resumable) -> *-full artifacts
+	$(BIN)/python train/run.py model=smollm2-135m tag=full data.continuations.max_requests=0 eval.limit=0
 
 test: setup  ## the test suite without `slow` tests (< 10 minutes)
 	WANDB_MODE=offline $(BIN)/python -m pytest -m "not slow" -q
@@ -43,9 +46,10 @@ test-full: setup  ## every test, `slow` ones included
 
 BENCH_LIMIT ?= 0
 BENCH_METHODS ?= [ar,eagle3,eagle3_wide,schemafill]
+BENCH_HEAD ?= $(firstword $(wildcard artifacts/heads/smollm2-135m-full) artifacts/heads/smollm2-135m)
 bench: setup  ## AR vs EAGLE-3 vs SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests) -> outputs/bench/
 	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
-		limit=$(BENCH_LIMIT) out=outputs/bench
+		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench
 
 gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
 	$(BIN)/python infer/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json

@@ -41,7 +41,7 @@ OUTPUTS = ["dataset_info.json", "stats.json"]
 
 
 def continuations_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.paths.artifacts) / "continuations" / cfg.model.name
+    return Path(cfg.paths.artifacts) / "continuations" / cfg.run_name
 
 
 def pool(cfg: PipelineConfig) -> list[ToolRequest]:

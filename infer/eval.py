@@ -42,7 +42,7 @@ GLAIVE_HINT = "Glaive is not configured: set data.glaive to the corpus (hub id o
 
 
 def eval_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.paths.artifacts) / "eval" / cfg.model.name
+    return Path(cfg.paths.artifacts) / "eval" / cfg.run_name
 
 
 def methods_for(cfg: PipelineConfig, dataset: str) -> list[str]:
@@ -108,7 +108,7 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
     art = Path(cfg.paths.artifacts)
     out = eval_dir(cfg)
     location = target_location(cfg.model, cfg.paths.artifacts)
-    head = art / "heads" / cfg.model.name
+    head = art / "heads" / cfg.run_name
     files = {d: art / "requests" / f"{d}.jsonl" for d in ec.datasets}
     present = {d: f for d, f in files.items() if f.is_file()}
     for d in files.keys() - present.keys():
@@ -153,7 +153,7 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
     with atomic.atomic_path(out) as tmp:
         atomic.write_json(tmp / "metrics.json", metrics)
         atomic.write_json(tmp / "by_calls.json", calls)
-        tables, plots = write_report(tmp, cfg.model.name, metrics, calls, per_row, str(dtype).replace("torch.", ""))
+        tables, plots = write_report(tmp, cfg.run_name, metrics, calls, per_row, str(dtype).replace("torch.", ""))
         write_manifest(tmp, fp, stage="eval", target=location, head=str(head))
     shutil.rmtree(work.parent, ignore_errors=True)
     print(f"[eval] report: {out / 'report.md'}")
@@ -165,8 +165,8 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         tracker.summary({f"eval/{d}/{m}/{k}": v for d, ms in metrics.items() for m, vals in ms.items()
                          for k, v in vals.items() if k in ("accept_length", "tps", "speedup", "ar_agreement")
                          and v is not None})
-        tracker.artifact(out, f"eval-{cfg.model.name}", "eval")
-        tracker.artifact(head, f"head-{cfg.model.name}", "model")
+        tracker.artifact(out, f"eval-{cfg.run_name}", "eval")
+        tracker.artifact(head, f"head-{cfg.run_name}", "model")
     return {"metrics": metrics, "report": str(out / "report.md"), "cached": False}
 
 

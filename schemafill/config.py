@@ -29,7 +29,6 @@ class ModelConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. Qwen3: {enable_thinking: false}
     max_context: int = 8192  # requests whose prompt + response cap exceed this are rejected, not truncated
     finetune: bool = False  # the `target` stage fine-tunes this model into a tool caller (built-in target)
-    draft_vocab_size: int | None = None  # this target's draft vocabulary size; null = drafter.draft_vocab_size
 
 
 @dataclass
@@ -147,8 +146,11 @@ class PathsConfig:
 
 @dataclass
 class PipelineConfig:
-    stages: list[str] = field(default_factory=lambda: ["requests", "target"])
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
     seed: int = 0
+    # recipe tag: continuations, head and eval of one target live side by side in
+    # <artifacts>/<stage>/<model>-<tag> (the target itself is shared by every recipe)
+    tag: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -157,6 +159,11 @@ class PipelineConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+
+    @property
+    def run_name(self) -> str:
+        """Folder name of this recipe's continuations, head and eval."""
+        return f"{self.model.name}-{self.tag}" if self.tag else self.model.name
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.stages if s not in STAGES]

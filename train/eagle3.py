@@ -43,7 +43,7 @@ OUTPUTS = ["config.json", "model.safetensors", "train_metrics.json"]
 
 
 def heads_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.paths.artifacts) / "heads" / cfg.model.name
+    return Path(cfg.paths.artifacts) / "heads" / cfg.run_name
 
 
 def split_rows(ids: list[str], heldout_fraction: float) -> tuple[list[int], list[int]]:
@@ -179,7 +179,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     from accelerate.utils import set_seed
 
     hc, dc = cfg.train.head, cfg.drafter
-    cont = Path(cfg.paths.artifacts) / "continuations" / cfg.model.name
+    cont = Path(cfg.paths.artifacts) / "continuations" / cfg.run_name
     if not (cont / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{cont} missing: run the `continuations` stage first")
     out = heads_dir(cfg)
@@ -207,7 +207,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                         cfg.model.revision)
     target.requires_grad_(False)
     vocab_size = target.config.vocab_size
-    size = min(cfg.model.draft_vocab_size or dc.draft_vocab_size, vocab_size)
+    size = min(dc.draft_vocab_size, vocab_size)
     vocab = draft_vocab(rows, train_idx, vocab_size, size, sorted(eos_token_ids(tokenizer, target.generation_config)),
                         out.parent / ".vocab" / f"{cfg.model.name}-{fingerprint([data_fp, vocab_size, size, tokenizer.name_or_path])}.pt")
     cache = None

@@ -48,6 +48,8 @@ def run(cfg: PipelineConfig) -> dict:
         tracker.finish()
     print("stage times (s): " + ", ".join(f"{k}={v}" for k, v in results["seconds"].items()))
     print(f"artifacts: {Path(cfg.paths.artifacts).resolve()}")
+    if "eval" in results["stages"]:
+        print(f"report: {Path(results['stages']['eval']['report']).resolve()}")
     return results
 
 

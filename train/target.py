@@ -154,9 +154,7 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
     for f in (train_file, eval_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} missing: run the `requests` stage first")
-    # the draft vocabulary is the head's business: changing it must not retrain the target
-    model = {k: v for k, v in to_dict(cfg.model).items() if k != "draft_vocab_size"}
-    fp = fingerprint({"model": model, "train": to_dict(cfg.train.target), "seed": cfg.seed,
+    fp = fingerprint({"model": to_dict(cfg.model), "train": to_dict(cfg.train.target), "seed": cfg.seed,
                       "max_new_tokens": cfg.decode.max_new_tokens, "data": file_digest(train_file),
                       "eval": file_digest(eval_file), "recipe": 1})
     if is_fresh(out, fp, OUTPUTS):

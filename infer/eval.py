@@ -123,6 +123,7 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
                       "requests": {d: file_digest(f) for d, f in present.items()}, "format": 1})
     if is_fresh(out, fp, OUTPUTS):
         print(f"[eval] up to date in {out} (fingerprint {fp})")
+        write_summary(out.parent)
         return {"metrics": json.loads((out / "metrics.json").read_text()), "report": str(out / "report.md"),
                 "cached": True}
 
@@ -156,7 +157,8 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         tables, plots = write_report(tmp, cfg.run_name, metrics, calls, per_row, str(dtype).replace("torch.", ""))
         write_manifest(tmp, fp, stage="eval", target=location, head=str(head))
     shutil.rmtree(work.parent, ignore_errors=True)
-    print(f"[eval] report: {out / 'report.md'}")
+    summary = write_summary(out.parent)
+    print(f"[eval] report: {out / 'report.md'}; every target: {summary}")
     if tracker is not None:
         for name, (columns, rows) in tables.items():
             tracker.table(f"eval/{name}", columns, rows)
@@ -218,6 +220,22 @@ def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per
     lines += [f"![{p}](plots/{p}.png)" for p in plots] + [""]
     atomic.write_text(folder / "report.md", "\n".join(lines))
     return tables, plots
+
+
+def write_summary(root: Path) -> Path:
+    """``summary.md``: Table 1's main columns for every target evaluated under ``root`` (what a
+    ``--multirun model=a,b`` sweep ends with; paper App. D)."""
+    columns = ["Target", "Dataset", "Method", "AL", "E2E TPS", "Speedup", "AR agreement (%)", "Requests"]
+    rows = []
+    for metrics_file in sorted(root.glob("*/metrics.json")):
+        for dataset, methods in json.loads(metrics_file.read_text()).items():
+            _, table = report.table1({dataset: methods})
+            rows += [[metrics_file.parent.name] + r[:6] + [r[7]] for r in table]
+    text = "\n".join(["# SchemaFill across targets", "", "One row per target, dataset and method, from each "
+                      "target's `metrics.json` (reports: `<target>/report.md`).", "",
+                      report.markdown(columns, rows), ""])
+    atomic.write_text(root / "summary.md", text)
+    return root / "summary.md"
 
 
 def main() -> None:

@@ -9,8 +9,9 @@ from hydra.errors import ConfigCompositionException
 from schemafill.config import PipelineConfig, to_dataclass
 from tests.conftest import CONF, compose
 
-# conf/accelerate holds `accelerate launch --config_file` files, not a Hydra group
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "accelerate")
+# conf/accelerate holds `accelerate launch --config_file` files, not a Hydra group;
+# conf/target_defaults follows the chosen model (tested below), it is not chosen itself
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("accelerate", "target_defaults"))
 
 
 def options(group: str) -> list[str]:
@@ -22,6 +23,15 @@ def test_every_option_of_every_group_composes(group, option):
     cfg = to_dataclass(compose([f"{group}={option}"]))
     assert isinstance(cfg, PipelineConfig)
     assert getattr(cfg, group) is not None
+
+
+@pytest.mark.parametrize("option", options("target_defaults"))
+def test_target_defaults_come_with_their_model_only(option):
+    assert option in options("model")
+    chosen = compose([f"model={option}"])
+    other = compose(["model=qwen2.5-7b"])
+    assert chosen.drafter.draft_vocab_size != other.drafter.draft_vocab_size  # applied with its model only
+    assert compose([f"model={option}", "drafter.draft_vocab_size=123"]).drafter.draft_vocab_size == 123
 
 
 def test_groups_are_the_documented_ones():

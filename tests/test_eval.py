@@ -53,6 +53,8 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     assert {"eval/table1_end_to_end", "eval/table2_ablation", "eval/table4_kv"} <= set(tracker.tables)
     assert "eval/al_per_method" in tracker.images and any(kind == "eval" for _, _, kind in tracker.artifacts)
     assert not (out.parent / ".tiny.work").exists()  # launches are cleaned up once reported
+    summary = (out.parent / "summary.md").read_text()
+    assert "| tiny | bfcl450 | schemafill |" in summary and "schemafill_B" not in summary
     assert build_eval(cfg, None)["cached"] is True
 
 

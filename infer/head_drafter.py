@@ -50,11 +50,34 @@ class HeadDrafter:
         self.arena = None
         self.done = 0  # head KV holds positions [0, done)
 
-    def start(self, capacity: int) -> None:
-        """A new request: at most ``capacity`` committed positions."""
+    def start(self, capacity: int, arena_slots: int = 0) -> None:
+        """A new request: at most ``capacity`` committed positions; ``arena_slots``: at least
+        this many head slots (SIDE contexts keep their head KV at their target slots)."""
         b = self.budget
-        self.arena = self.head.new_arena(capacity + b.topk * max(b.depth - 1, 0) + 1)
+        self.arena = self.head.new_arena(max(capacity + b.topk * max(b.depth - 1, 0) + 1, arena_slots))
         self.done = 0
+
+    @torch.inference_mode()
+    def entries(self, tokens: list[int], aux: list[torch.Tensor], positions: list[int], slots: list[int],
+                visible: list[list[int]], want: list[int]) -> list[int]:
+        """Head KV for contexts other than MAIN's (SIDE branches), in one forward: entry i is
+        the training pair (``tokens[i]``, fc(``aux[i]``)) at ``positions[i]``, written to head
+        slot ``slots[i]`` and seeing the head slots ``visible[i]``. Returns the output hidden
+        states [len(want), H] of the entries listed in ``want`` (``top1`` turns them into drafts)."""
+        head, dev = self.head, self.device
+        span = max(max(v) for v in visible) + 1
+        vis = torch.zeros(1, len(tokens), span, dtype=torch.bool, device=dev)  # [1, N, S]
+        for i, v in enumerate(visible):
+            vis[0, i, v] = True
+        hidden = head.fc(torch.stack(aux).to(head.fc.weight.dtype))[None]  # [1, N, H]
+        out = head.decode_step(torch.tensor(tokens, device=dev)[None], hidden, torch.tensor(positions, device=dev)[None],
+                               vis, torch.tensor(slots, device=dev)[None], self.arena)  # [1, N, H]
+        return out[0, want]
+
+    @torch.inference_mode()
+    def top1(self, outs: torch.Tensor) -> list[int]:
+        """[N, H] head outputs -> the most probable next token (a target id) after each."""
+        return [self.draft_to_target[d] for d in self.head.logits(outs).argmax(-1).tolist()]
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -43,6 +43,7 @@ class Verified:
     correction: int  # the target's own next token after them
     committed: int  # tokens that joined MAIN (≤ len(accepted) + 1 when the response stops)
     extra_choices: list[list[int]] = field(default_factory=list)  # target argmax at each extra node
+    extra_aux: list[torch.Tensor] = field(default_factory=list)  # [n, 3H] target features at each extra node
 
 
 @dataclass
@@ -58,6 +59,7 @@ class MainSession:
     nodes: list[int] = field(default_factory=list)  # tree nodes (MAIN + SIDE) per verification
     new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
     peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
+    prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
 
     def __post_init__(self) -> None:
         self.side_base = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
@@ -133,14 +135,17 @@ class MainSession:
         new = [tree_tokens[i] for i in accepted] + [correction]
         taken = self.stop.push(new)
         if prefill:
+            self.prompt_aux = f.aux[0, len(self.prompt) - 1]
             self.tokens = list(self.prompt) + new[:taken]
             self.new_aux = f.aux[0, list(range(len(self.prompt))) + [first_tree + i for i in accepted]]
         else:
             self.tokens += new[:taken]
             self.new_aux = f.aux[0, [0] + [1 + i for i in accepted]]  # [1+A, 3H]
         self.n_kv = base + len(accepted)
-        extra_choices, r = [], main_rows
+        extra_choices, extra_aux, r = [], [], main_rows
         for seg in extra:
             extra_choices.append(choice[r:r + len(seg.tokens)])
+            extra_aux.append(f.aux[0, r:r + len(seg.tokens)])
             r += len(seg.tokens)
-        return Verified(accepted=accepted, correction=correction, committed=taken, extra_choices=extra_choices)
+        return Verified(accepted=accepted, correction=correction, committed=taken, extra_choices=extra_choices,
+                        extra_aux=extra_aux)

@@ -70,7 +70,7 @@ class DecodeConfig:
     topk: int = 3  # draft tree branching
     depth: int = 2  # MAIN draft depth (EAGLE-3 tree depth)
     total_tokens: int = 8  # draft tokens per verification
-    side_depth: int = 0  # SIDE branch head-draft depth per round (paper: 1; only 0 is implemented)
+    side_depth: int = 1  # head-drafted tokens per SIDE branch and round (paper: 1; 0 = the target's token only)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN, C: + SIDE drafting, D: + packing
 

@@ -137,9 +137,73 @@ def test_sibling_branches_share_one_trunk(smol_tokenizer):
         assert own.positions == list(range(5 + len(trunk.tokens), 5 + len(trunk.tokens) + len(own.tokens)))
         assert own.visible[-1] == list(range(5)) + b.trunk.slots + b.slots
     b = branches[1]
-    b.pending = 42
+    b.pending, b.draft = 42, 43
+    assert contexts.reserve(b, depth=1)
     step = contexts.step(b)
-    assert step.positions == [5 + len(trunk.tokens) + len(b.slots) - 1] and step.visible[0][-1] == step.slots[0]
+    n = 5 + len(trunk.tokens) + len(b.slots)  # the pending token's position
+    assert step.tokens == [42, 43] and step.positions == [n, n + 1]
+    assert step.visible[0][-1] == step.slots[0] and step.visible[1] == step.visible[0] + [step.slots[1]]
+    aux = torch.zeros(2, 3)
+    contexts.settle(b, [43, 7], aux)  # the target chose the draft: both join, 7 comes next
+    assert b.tokens[-2:] == [42, 43] and b.value == [42, 43] and b.pending == 7 and not b.reserved
+    b.draft = 9
+    contexts.reserve(b, depth=1)
+    contexts.step(b)
+    free = len(contexts.pool.free)
+    contexts.settle(b, [8, 1], aux)  # the draft was wrong: the pending token joins, the draft's row is freed
+    assert b.value == [42, 43, 7] and b.pending == 8 and len(contexts.pool.free) == free + 1
     for b in branches:
         contexts.free(b)
     assert not contexts.trunks and sorted(contexts.pool.free) == list(range(100, 300))  # nothing leaks
+
+
+def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
+    """The head's entries for a SIDE context (a trunk, then the branch's own tokens, then its
+    pending token) give the same draft as MAIN's drafter when MAIN's text is that context."""
+    from infer.decoders.schemafill import Branch, SideContexts, Trunk
+    from infer.head_drafter import HeadDrafter, TreeBudget
+    from infer.session import MainSession
+    from schemafill.stopping import ResponseStop
+
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    head = random_head(target, seed=4)
+    prompt = tok("Call the tool for Oslo.", add_special_tokens=False).input_ids
+    context = tok('{"tool_calls": [{"name": "get_weather", "arguments": {"city":', add_special_tokens=False).input_ids
+    top1 = TreeBudget(topk=1, depth=1, total=1)
+
+    # reference: the context is part of the prompt; the pending token is the target's next
+    # one; training-time test step 0 at the context's last position is the head's output there
+    ref = MainSession(target, prompt + context, ResponseStop(tok, eos, 8), scratch=4)
+    ref.prefill()
+    n = len(prompt + context)
+    ids = torch.tensor([ref.tokens[: n + 1]])
+    aux = torch.cat([ref.new_aux[:n], torch.zeros_like(ref.new_aux[:1])])[None]  # position n: not seen at n - 1
+    with torch.inference_mode():
+        expected = head.ttt_forward(ids, aux, torch.ones(1, n + 1, dtype=torch.bool), 1)[0][0, n - 1]
+    main = HeadDrafter(head, top1)
+    main.start(n + 9)
+    assert main.draft(ref.tokens, ref.new_aux)[0] == main.top1(expected[None])
+
+    # SIDE: the same context as a trunk plus the branch's own tokens, beside an empty MAIN
+    s = MainSession(target, prompt, ResponseStop(tok, eos, 8), scratch=4, side_capacity=64)
+    contexts = SideContexts(tok, len(prompt), s.side_base, 64)
+    trunk = Trunk(context[:5], contexts.pool.take(5), branches=1)
+    contexts.trunks[tuple(trunk.ids)] = trunk
+    b = Branch(call=0, tool="get_weather", field="city", hint="", header="", trunk=trunk,
+               tokens=context[5:], slots=contexts.pool.take(len(context) - 5))
+    segments = [contexts._segment(trunk.ids, 0, [], trunk.slots),
+                contexts._segment(b.tokens, 5, trunk.slots, b.slots)]
+    v = s.prefill(extra=segments)
+    for owner, choices, aux in zip([trunk, b], v.extra_choices, v.extra_aux):
+        contexts.settle(owner, choices, aux)
+    assert b.pending == ref.pending  # the target's own next token in that context
+    side = HeadDrafter(head, top1)
+    side.start(len(prompt) + 9, s.side_base + 64)
+    side.draft(s.tokens, s.new_aux)  # MAIN's catch-up writes the prompt's head entries
+    assert contexts.reserve(b, depth=1)
+    entries, want = contexts.head_entries([b], s.prompt_aux)
+    assert len(entries[0]) == len(context) + 1  # every trunk and own entry, then the pending one
+    out = side.entries(*entries, want)
+    assert torch.allclose(out[0], expected, atol=1e-4)

@@ -29,8 +29,10 @@ Ablations (``decode.ablation``): A = EAGLE-3 only; B = + forecast-guided initial
 structural packing (no prepared values); C = + SIDE branches, packing within a call;
 D = + packing across calls (full SchemaFill).
 
-Decisions where the paper is silent: SIDE branches are advanced by the target's own token
-each round; the head does not draft for them (``decode.side_depth`` must be 0 for now).
+Decisions where the paper is silent: each round a SIDE branch contributes its pending
+token (the target's previous choice for it) and, with ``side_depth`` 1 (the paper's), the
+head's top-1 draft after it, so a branch advances one or two tokens per round; the head
+drafts greedily from its own KV of the branch's private context (``SideContexts``).
 At most ``max_branches`` are active (current call first); a branch whose value passes
 ``max_value_tokens`` is retired unprepared; the packed chain is capped at ``max_chain``
 tokens.
@@ -63,7 +65,7 @@ class SchemaFillConfig:
     budget: TreeBudget  # the head's MAIN tree
     forecast_budget: int = 3  # B call groups
     ablation: str = "D"
-    side_depth: int = 0
+    side_depth: int = 1
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -71,9 +73,9 @@ class SchemaFillConfig:
     def __post_init__(self) -> None:
         if self.ablation not in ABLATIONS:
             raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
-        if self.side_depth != 0:
-            raise ValueError("decode.side_depth > 0 (head-drafted SIDE tokens) is not implemented; "
-                             "SIDE branches advance by the target's own token each round (side_depth=0)")
+        if self.side_depth not in (0, 1):
+            raise ValueError(f"decode.side_depth must be 0 (SIDE branches advance by the target's token) or 1 "
+                             f"(plus one head-drafted token per round, the paper's), got {self.side_depth}")
 
 
 @dataclass
@@ -84,9 +86,14 @@ class Branch:
     hint: str  # ordinal hint of the call position it was opened for (kept if the plan is rebound)
     header: str  # the canonical call text after the hint, up to the field's colon
     trunk: "Trunk | None" = None  # the prefix it shares with sibling branches (None: all its own)
-    slots: list[int] = field(default_factory=list)  # arena rows of its own tokens, after the trunk's
+    tokens: list[int] = field(default_factory=list)  # its own tokens with target KV, after the trunk's
+    slots: list[int] = field(default_factory=list)  # their arena rows
+    aux: list[Any] = field(default_factory=list)  # their target features ([3H] each), for the head
+    value: list[int] = field(default_factory=list)  # value tokens generated so far (a suffix of tokens)
     pending: int | None = None  # the target's next token for it, KV not yet computed
-    value: list[int] = field(default_factory=list)  # value tokens generated so far
+    draft: int | None = None  # the head's guess at the token after ``pending`` (side_depth 1)
+    reserved: list[int] = field(default_factory=list)  # rows for pending (and draft) in the next call
+    head_done: int = 0  # own tokens whose head KV exists (pending's counts once it is computed)
 
 
 def ordinal_hint(call: int) -> str:
@@ -128,6 +135,8 @@ class Trunk:
     ids: list[int]  # tokens every branch on it starts with
     slots: list[int]
     branches: int = 0
+    aux: list[Any] = field(default_factory=list)  # target features of its tokens, once verified
+    head_done: int = 0
 
 
 class SideContexts:
@@ -139,6 +148,12 @@ class SideContexts:
     paper's "shared nodes count once per verification". Only the tokens the full and the
     shared text tokenise alike are shared (BPE may merge across the boundary), so every
     branch still sees exactly its own tokenisation.
+
+    With ``side_depth`` 1 the EAGLE-3 head drafts one token after each branch's pending
+    one. Its KV for a SIDE context lives in the head's arena at the *target* slot of the
+    token it pairs with (the head's entry for position q pairs token q+1 with the target's
+    features at q), so trunk entries are shared like the trunk and freeing a row frees
+    both; it sees the head's prompt entries [0, P-1) — the entry at P-1 is MAIN's own.
     """
 
     def __init__(self, tokenizer: Any, prompt_len: int, base: int, size: int) -> None:
@@ -149,6 +164,7 @@ class SideContexts:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
+    # ---------------------------------------------------------------- target nodes
     def open(self, b: Branch) -> list[Segment] | None:
         """Segments that compute ``b``'s context (a new trunk first, if one is needed); None
         when the pool is full (try again next round)."""
@@ -172,29 +188,96 @@ class SideContexts:
             return None
         if trunk is not None:
             trunk.branches += 1
-        b.trunk, b.slots = trunk, slots
+        b.trunk, b.tokens, b.slots = trunk, own, slots
         segments.append(self._segment(own, shared, trunk.slots if trunk else [], slots))
         return segments
 
-    def step(self, b: Branch) -> Segment | None:
-        """The branch's pending token as one node; None when the pool is full."""
-        slots = self.pool.take(1)
+    def reserve(self, b: Branch, depth: int) -> bool:
+        """Rows for the pending token (and a draft when ``depth`` is 1) of the next call."""
+        slots = self.pool.take(1 + depth)
         if slots is None:
-            return None
-        b.slots += slots
+            return False
+        b.reserved = slots
+        return True
+
+    def step(self, b: Branch) -> Segment:
+        """The pending token (and the head's draft after it) as a chain of nodes."""
+        context = list(range(self.p)) + self._slots(b)
+        tokens = [b.pending] + ([b.draft] if len(b.reserved) == 2 else [])
+        first = len(context)  # the prompt's P positions, then the branch's context
+        return Segment(tokens=tokens, positions=list(range(first, first + len(tokens))), slots=list(b.reserved),
+                       visible=[context + b.reserved[: i + 1] for i in range(len(tokens))])
+
+    def settle(self, b: Branch | Trunk, choices: list[int], aux: Any) -> None:
+        """Record a verified segment: a trunk's or prefix's features, or a step's outcome —
+        the pending token joins the branch, the draft too when the target chose it."""
+        if isinstance(b, Trunk):
+            b.aux = list(aux)
+            return
+        if not b.reserved:  # its prefix
+            b.aux = list(aux)
+            b.pending = choices[-1]
+            return
+        b.tokens.append(b.pending)
         b.value.append(b.pending)
-        base = b.trunk.slots if b.trunk else []
-        return Segment(tokens=[b.pending], positions=[self.p + len(base) + len(b.slots) - 1], slots=slots,
-                       visible=[list(range(self.p)) + base + b.slots])
+        b.slots.append(b.reserved[0])
+        b.aux.append(aux[0])
+        b.pending = choices[0]
+        if len(b.reserved) == 2:
+            if choices[0] == b.draft:
+                b.tokens.append(b.draft)
+                b.value.append(b.draft)
+                b.slots.append(b.reserved[1])
+                b.aux.append(aux[1])
+                b.pending = choices[1]
+            else:
+                self.pool.give(b.reserved[1:])
+        b.reserved, b.draft = [], None
 
     def free(self, b: Branch) -> None:
-        self.pool.give(b.slots)
-        b.slots = []
+        self.pool.give(b.slots + b.reserved)
+        b.slots, b.reserved = [], []
         if b.trunk is not None:
             b.trunk.branches -= 1
             if not b.trunk.branches:
                 self._drop(b.trunk)
             b.trunk = None
+
+    # ---------------------------------------------------------------- head entries
+    def head_entries(self, branches: list[Branch], prompt_aux: Any) -> tuple[list, list[int]]:
+        """The head entries still missing for ``branches`` (each with rows reserved for its
+        pending token): trunks first, then each branch's own tokens and its pending token.
+        Returns (tokens, aux, positions, slots, visible) lists and, per branch, the index of
+        its pending entry — the one whose output drafts."""
+        tokens, aux, positions, slots, visible, want = [], [], [], [], [], []
+        prompt = list(range(self.p - 1))
+
+        def add(token: int, feature: Any, index: int, slot: int, seen: list[int]) -> None:
+            tokens.append(token)
+            aux.append(feature)
+            positions.append(self.p + index - 1)
+            slots.append(slot)
+            visible.append(prompt + seen)
+
+        for b in branches:
+            t = b.trunk
+            base = t.slots if t else []
+            feats = [prompt_aux] + (t.aux if t else []) + b.aux  # feats[i]: features at position P+i-1
+            if t is not None and t.head_done < len(t.ids):
+                for i in range(t.head_done, len(t.ids)):
+                    add(t.ids[i], feats[i], i, t.slots[i], t.slots[: i + 1])
+                t.head_done = len(t.ids)
+            for j in range(b.head_done, len(b.tokens)):
+                i = len(base) + j
+                add(b.tokens[j], feats[i], i, b.slots[j], base + b.slots[: j + 1])
+            i = len(base) + len(b.tokens)
+            want.append(len(tokens))
+            add(b.pending, feats[i], i, b.reserved[0], base + b.slots + b.reserved[:1])
+            b.head_done = len(b.tokens) + 1  # the pending token joins ``tokens`` when it is verified
+        return [tokens, aux, positions, slots, visible], want
+
+    def _slots(self, b: Branch) -> list[int]:
+        return (b.trunk.slots if b.trunk else []) + b.slots
 
     def _drop(self, trunk: Trunk) -> None:
         self.pool.give(trunk.slots)
@@ -243,7 +326,7 @@ class SchemaFill:
         s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
                         scratch=cfg.budget.total + cfg.max_chain, side_capacity=capacity)
         contexts = SideContexts(tok, len(prompt), s.side_base, capacity)
-        self.drafter.start(len(prompt) + self.max_new_tokens + 1)
+        self.drafter.start(len(prompt) + self.max_new_tokens + 1, s.side_base + capacity)
         branches: list[Branch] = []
         prepared_keys: set[tuple[int, str]] = set()  # (call, field) whose value was prepared or retired
 
@@ -263,9 +346,8 @@ class SchemaFill:
         v = s.prefill(tree[0], tree[1], extra)
         times["initialisation"] += time.perf_counter() - t
         init_nodes = len(tree[0]) + sum(len(seg.tokens) for seg in extra)
-        for b, choices in zip(owners, v.extra_choices):
-            if b is not None:
-                b.pending = choices[-1]
+        for owner, choices, aux in zip(owners, v.extra_choices, v.extra_aux):
+            contexts.settle(owner, choices, aux)
 
         while not s.done:
             # ---- align the plans and branches with what MAIN realized
@@ -299,11 +381,23 @@ class SchemaFill:
                     tokens, parents = merge([(tokens, parents), chain(packed)])
             times["drafting"] += time.perf_counter() - t
 
-            # ---- SIDE nodes: new prefixes, then each branch's pending token
+            # ---- SIDE nodes: new prefixes, then each branch's pending token (and the head's
+            # draft after it); a branch the pool has no room for tries again next round
             t = time.perf_counter()
             extra, owners = [], []
-            for b in branches:  # a branch the pool has no room for tries again next round
-                self._add(contexts.open(b) if b.pending is None else [contexts.step(b)], b, extra, owners)
+            stepping = [b for b in branches if b.pending is not None and contexts.reserve(b, cfg.side_depth)]
+            if stepping and cfg.side_depth:
+                t_draft = time.perf_counter()
+                entries, want = contexts.head_entries(stepping, s.prompt_aux)
+                for b, d in zip(stepping, self.drafter.top1(self.drafter.entries(*entries, want))):
+                    b.draft = d
+                times["drafting"] += time.perf_counter() - t_draft
+                t += time.perf_counter() - t_draft
+            for b in branches:
+                if b.pending is None:
+                    self._add(contexts.open(b), b, extra, owners)
+                elif b.reserved:
+                    self._add([contexts.step(b)], b, extra, owners)
             times["other"] += time.perf_counter() - t
 
             t = time.perf_counter()
@@ -311,9 +405,8 @@ class SchemaFill:
             times["verification"] += time.perf_counter() - t
 
             t = time.perf_counter()
-            for b, choices in zip(owners, v.extra_choices):
-                if b is not None:  # trunks have no owner: their choices are nobody's next token
-                    b.pending = choices[-1]
+            for owner, choices, aux in zip(owners, v.extra_choices, v.extra_aux):
+                contexts.settle(owner, choices, aux)
             if side:
                 branches = self._collect(branches, plans, contexts, prepared_keys)
             times["other"] += time.perf_counter() - t
@@ -364,13 +457,13 @@ class SchemaFill:
         return branches
 
     @staticmethod
-    def _add(segments: list[Segment | None] | None, b: Branch, extra: list[Segment],
-             owners: list[Branch | None]) -> bool:
-        """Queue a branch's segments for the next target call; its own segment comes last."""
-        if not segments or segments[-1] is None:
+    def _add(segments: list[Segment] | None, b: Branch, extra: list[Segment],
+             owners: list[Branch | Trunk]) -> bool:
+        """Queue a branch's segments for the next target call: a new trunk's, then its own."""
+        if not segments:
             return False
         extra += segments
-        owners += [None] * (len(segments) - 1) + [b]
+        owners += [b.trunk] * (len(segments) - 1) + [b]
         return True
 
     def _collect(self, branches: list[Branch], plans: list[CallPlan], contexts: SideContexts,

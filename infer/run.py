@@ -13,6 +13,7 @@ context are named in ``<out>/skipped.jsonl`` and the rest are decoded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -31,6 +32,7 @@ from infer.decoders.eagle3 import decode_tree
 from infer.decoders.parallel_fill import ParallelFill
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
 from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget, load_runtime_head
+from infer.sampling import Sampler
 from schemafill import atomic
 from schemafill.config import InferConfig, register_configs, to_dataclass, to_dict
 from schemafill.device import resolve_device, resolve_dtype
@@ -41,20 +43,28 @@ from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
 
+Decoder = Callable[[ToolRequest, list[int], Sampler], Decoded]
+
+
 def _tree(target, tokenizer, max_new: int, eos, drafter: HeadDrafter, request: ToolRequest,
-          ids: list[int]) -> Decoded:
-    return decode_tree(target, tokenizer, ids, max_new, eos, drafter, scratch=drafter.budget.total)
+          ids: list[int], sampler: Sampler) -> Decoded:
+    return decode_tree(target, tokenizer, ids, max_new, eos, drafter, scratch=drafter.budget.total, sampler=sampler)
+
+
+def request_seed(seed: int, request_id: str, sample: int) -> int:
+    """Each (request, sample) draws from its own stream, whatever else runs."""
+    return int(hashlib.sha256(f"{seed}:{request_id}:{sample}".encode()).hexdigest()[:8], 16)
 
 
 def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[str, dict]
-                   ) -> dict[str, Callable[[ToolRequest, list[int]], Decoded]]:
+                   ) -> dict[str, Decoder]:
     """Method name → decode(request, prompt ids). The head is loaded only when a method needs
     it; Parallel Fill reads AR's output for the request from ``ar_outputs`` (filled by then)."""
     d = cfg.decode
     max_new = d.max_new_tokens
-    decoders: dict[str, Callable[[ToolRequest, list[int]], Decoded]] = {}
+    decoders: dict[str, Decoder] = {}
     if "ar" in cfg.methods:
-        decoders["ar"] = lambda r, ids: decode_ar(target, tokenizer, ids, max_new, eos)
+        decoders["ar"] = lambda r, ids, smp: decode_ar(target, tokenizer, ids, max_new, eos, smp)
     if any(m not in ("ar", "parallel_fill") for m in cfg.methods):
         folder = cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name)
         head = load_runtime_head(folder, target)
@@ -68,10 +78,10 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
             sf = SchemaFill(target, tokenizer, head, eos, max_new,
                             SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
                                              side_depth=d.side_depth))
-            decoders[m] = sf.decode
+            decoders[m] = lambda r, ids, smp, sf=sf: sf.decode(r, ids, sampler=smp)
         elif m == "parallel_fill":
             pf = ParallelFill(target, tokenizer, eos)
-            decoders[m] = lambda r, ids: pf.decode(ids, ar_outputs[r.id]["text"], ar_outputs[r.id]["output_ids"])
+            decoders[m] = lambda r, ids, smp: pf.decode(ids, ar_outputs[r.id]["text"], ar_outputs[r.id]["output_ids"])
     return {m: decoders[m] for m in cfg.methods}  # the order asked for
 
 
@@ -129,16 +139,20 @@ def run(cfg: InferConfig) -> dict:
     ar_outputs: dict[str, dict] = {}
     decoders = build_decoders(cfg, target, tokenizer, eos, ar_outputs)
     out = Path(cfg.out)
+    d_cfg = cfg.decode
     for method, decode in decoders.items():
         for r in kept[: cfg.warmup]:
-            decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))
+            decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs),
+                   Sampler(d_cfg.temperature, d_cfg.top_p, d_cfg.seed))
         rows = []
-        for r in tqdm(kept, desc=method, unit="req", dynamic_ncols=True):
+        for r, k in tqdm([(r, k) for r in kept for k in range(cfg.samples)], desc=method, unit="req",
+                         dynamic_ncols=True):
+            sampler = Sampler(d_cfg.temperature, d_cfg.top_p, request_seed(d_cfg.seed, r.id, k))
             t0 = time.perf_counter()
             ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
-            d = decode(r, ids)
+            d = decode(r, ids, sampler)
             seconds = time.perf_counter() - t0
-            rows.append({"id": r.id, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
+            rows.append({"id": r.id, "sample": k, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
                          "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
                          "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows})
         outputs[method] = rows
@@ -146,7 +160,9 @@ def run(cfg: InferConfig) -> dict:
             ar_outputs.update((row["id"], row) for row in rows)
 
     # ---- metrics, pooled over requests
-    reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs else None
+    # AR agreement is the lossless check at temperature 0; samples agree only in distribution
+    greedy = cfg.decode.temperature == 0
+    reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs and greedy else None
     metrics = {m: pooled(rows, reference) for m, rows in outputs.items()}
     for m, rows in outputs.items():
         atomic.write_jsonl(out / "outputs" / f"{m}.jsonl",

@@ -14,6 +14,8 @@ One target call verifies the MAIN tree and any number of extra segments (SIDE br
 each extra node names the arena slots it may see, so MAIN never sees a SIDE row, a SIDE
 node sees only the prompt and its own branch, and siblings never see each other.
 Counters follow DESIGN §3: the prefill is one target call, every verification another.
+At temperature > 0 the target's choice at each MAIN node is a draw from its distribution
+(``Sampler``), which keeps the committed tokens distributed exactly as serial sampling.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.sampling import Sampler
 from infer.tree import ancestor_mask, depths, greedy_accept
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
@@ -60,6 +63,7 @@ class MainSession:
     new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
     peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
     prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
+    sampler: Sampler | None = None  # how MAIN picks its token at each node (None: greedy)
 
     def __post_init__(self) -> None:
         self.side_base = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
@@ -126,9 +130,12 @@ class MainSession:
         self.nodes.append(rows - main_rows + len(tree_tokens))
         side = {s for seg in extra for see in seg.visible for s in see if s >= self.side_base}
         self.peak_rows = max(self.peak_rows, max(slots[:main_rows]) + 1 + len(side))
-        choice = f.logits[0].argmax(-1).tolist()
+        choice = f.logits[0].argmax(-1).tolist()  # SIDE nodes are proposals: always greedy
         first_tree = main_rows - len(tree_tokens)  # index of the first MAIN tree node in this call
-        main_choice = [choice[first_tree - 1]] + choice[first_tree:main_rows]
+        if self.sampler is None or self.sampler.greedy:
+            main_choice = [choice[first_tree - 1]] + choice[first_tree:main_rows]
+        else:  # an independent draw at every MAIN node: exact speculative sampling (infer/sampling.py)
+            main_choice = self.sampler.choose(f.logits[0, [first_tree - 1] + list(range(first_tree, main_rows))])
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
         base = root_slot + 1  # committed MAIN continues right after the root
         self.arena.move(0, [slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])

@@ -64,7 +64,8 @@ class DrafterConfig:
 
 @dataclass
 class DecodeConfig:
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling (infer/sampling.py)
+    top_p: float = 1.0  # nucleus of the target's distribution when sampling (1 = off)
     seed: int = 0
     max_new_tokens: int = 512
     topk: int = 3  # draft tree branching
@@ -186,6 +187,7 @@ class InferConfig:
     limit: int = 0  # decode only N requests (0 = all)
     sample: str = "spread"  # which N: spread (evenly over the file, so every category shows) | first
     warmup: int = 1  # requests decoded (untimed) per method before timing
+    samples: int = 1  # decodes per request, each with its own seed (for temperature > 0)
     device: str = "auto"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -200,6 +202,10 @@ class InferConfig:
         if "parallel_fill" in self.methods and ("ar" not in self.methods
                                                 or self.methods.index("ar") > self.methods.index("parallel_fill")):
             raise ValueError("parallel_fill fills AR's skeleton: list ar before it in methods")
+        if self.samples > 1 and self.decode.temperature == 0:
+            raise ValueError("samples > 1 repeats identical greedy decodes: set decode.temperature > 0")
+        if self.decode.temperature > 0 and "parallel_fill" in self.methods:
+            raise ValueError("parallel_fill is a greedy diagnostic: drop it when decode.temperature > 0")
         if self.sample not in ("spread", "first"):
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
 

@@ -62,7 +62,7 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert metrics["ar"]["accept_length"] == 1.0 and metrics["ar"]["nodes_per_verify"] == 0
     assert metrics["eagle3"]["nodes_per_verify"] <= 8 < metrics["eagle3_wide"]["nodes_per_verify"] <= 60
     rows = [json.loads(x) for x in (out / "outputs" / "eagle3.jsonl").read_text().splitlines()]
-    assert set(rows[0]) == {"id", "text", "prompt_ids", "output_ids", "target_calls", "seconds", "stop"}
+    assert set(rows[0]) == {"id", "sample", "text", "prompt_ids", "output_ids", "target_calls", "seconds", "stop"}
     assert set(metrics["schemafill"]["time_breakdown"]) == {"forecast", "drafting", "verification", "other",
                                                             "initialisation"}
     for row in result["rows"]["ar"]:  # AR's KV holds the prompt and every response token but the last
@@ -86,3 +86,23 @@ def test_missing_head_says_how_to_make_one(tmp_path, tiny_target, builtin_artifa
     cfg = infer_cfg(tmp_path, tiny_target, tmp_path / "nowhere", requests, "limit=1")
     with pytest.raises(FileNotFoundError, match="stages=\\[continuations,head\\]"):
         run(cfg)
+
+
+def test_sampling_cli_is_seeded_and_draws_samples(tmp_path, tiny_target, tiny_head, builtin_artifacts):
+    from infer.run import run
+
+    lines = (builtin_artifacts / "requests" / "bfcl450.jsonl").read_text().splitlines()[:2]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    outs = []
+    for folder in ("a", "b"):
+        cfg = infer_cfg(tmp_path / folder, tiny_target, tiny_head, requests, "methods=[ar,eagle3,schemafill]",
+                        "decode.temperature=1.0", "samples=3", "decode.max_new_tokens=12")
+        result = run(cfg)
+        assert all(m["ar_agreement"] is None for m in result["metrics"].values())  # samples agree in law only
+        outs.append({m: [(r["id"], r["sample"], r["output_ids"]) for r in rows] for m, rows in result["rows"].items()})
+    assert outs[0] == outs[1]  # the same decode.seed, the same samples
+    ar = outs[0]["ar"]
+    assert len(ar) == 6 and len({tuple(ids) for _, _, ids in ar}) > 2  # distinct draws per request
+    with pytest.raises(Exception, match="temperature > 0"):
+        infer_cfg(tmp_path, tiny_target, tiny_head, requests, "samples=2")

@@ -48,6 +48,7 @@ from infer.decoders import Decoded
 from infer.forecast import forecast_groups, predicted_keys, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
 from infer.packer import HEADER, CallPlan, call_header, dumps, propose
+from infer.sampling import Sampler
 from infer.session import MainSession, Segment
 from infer.tree import chain, merge
 from schemafill.generate import common_prefix
@@ -301,10 +302,11 @@ class SchemaFill:
 
     # ------------------------------------------------------------------ per request
     def decode(self, request: ToolRequest, prompt: list[int], groups: list[int] | None = None,
-               values: dict[tuple[int, str], str] | None = None) -> Decoded:
+               values: dict[tuple[int, str], str] | None = None, sampler: Sampler | None = None) -> Decoded:
         """``groups`` (catalog indices, one per call) replaces the BM25 forecast and ``values``
         ((call, key) -> value literal) pre-fills prepared values: for tests and for callers
-        who know the call layout. Neither can change the output, only the speed."""
+        who know the call layout. Neither can change the output (or its distribution, with a
+        ``sampler``), only the speed."""
         cfg, tok = self.cfg, self.tokenizer
         # initialisation (the prompt's prefill with the candidates) is kept apart, as the
         # paper's Table 5 leaves prefill out of its phases
@@ -324,7 +326,7 @@ class SchemaFill:
         side = cfg.ablation in ("C", "D")
         capacity = (cfg.max_branches * (64 + cfg.max_value_tokens)) if side else 0
         s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
-                        scratch=cfg.budget.total + cfg.max_chain, side_capacity=capacity)
+                        scratch=cfg.budget.total + cfg.max_chain, side_capacity=capacity, sampler=sampler)
         contexts = SideContexts(tok, len(prompt), s.side_base, capacity)
         self.drafter.start(len(prompt) + self.max_new_tokens + 1, s.side_base + capacity)
         branches: list[Branch] = []

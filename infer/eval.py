@@ -11,6 +11,7 @@ and writes ``artifacts/eval/<model>/``:
 * ``metrics.json`` — ``{dataset: {method: {accept_length, tps, tps_std, speedup, ar_agreement,
   tokens, target_calls, seconds, requests, nodes_per_verify, kv_rows, ...}}}``;
 * ``by_calls.json`` — the same per number of calls in AR's response (1, 2, 3, 4+);
+* ``sampled.json`` — AR, EAGLE-3 and SchemaFill at ``eval.temperature`` (paper App. C.5);
 * ``report.md`` with Tables 1–5 and ``plots/*.png``; the same tables, plots and the report
   go to W&B.
 
@@ -20,6 +21,7 @@ launch; the stage is cached by the fingerprint of the target, head, requests and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import statistics
@@ -130,23 +132,28 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
     work = out.parent / f".{out.name}.work" / fp
     metrics: dict[str, dict] = {}
     calls: dict[str, dict] = {}
-    for dataset, path in present.items():
-        launches = []
-        for rep in range(ec.repeats):
-            saved = work / dataset / f"launch_{rep}.json"
-            if saved.is_file():  # finished before an interruption
-                launches.append(json.loads(saved.read_text()))
-                continue
-            print(f"[eval] {dataset}: launch {rep + 1}/{ec.repeats}")
-            icfg = InferConfig(requests=str(path), methods=methods_for(cfg, dataset),
-                               out=str(work / dataset / f"infer_{rep}"), head=str(head), limit=ec.limit,
-                               sample="spread", warmup=ec.warmup, seed=cfg.seed, model=cfg.model, decode=cfg.decode,
-                               logger=LoggerConfig(backend="none"), paths=cfg.paths)
-            rows = infer_run(icfg)["rows"]
-            atomic.write_json(saved, rows)
-            launches.append(rows)
+    def launch(dataset: str, name: str, methods: list[str], decode: Any) -> dict[str, list[dict]]:
+        saved = work / dataset / f"{name}.json"
+        if saved.is_file():  # finished before an interruption
+            return json.loads(saved.read_text())
+        print(f"[eval] {dataset}: {name}")
+        icfg = InferConfig(requests=str(present[dataset]), methods=methods, out=str(work / dataset / f"infer_{name}"),
+                           head=str(head), limit=ec.limit, sample="spread", warmup=ec.warmup, seed=cfg.seed,
+                           model=cfg.model, decode=decode, logger=LoggerConfig(backend="none"), paths=cfg.paths)
+        rows = infer_run(icfg)["rows"]
+        atomic.write_json(saved, rows)
+        return rows
+
+    sampled: dict[str, dict] = {}
+    for dataset in present:
+        launches = [launch(dataset, f"launch_{rep}", methods_for(cfg, dataset), cfg.decode)
+                    for rep in range(ec.repeats)]
         metrics[dataset] = summarize(launches)
         calls[dataset] = by_calls(launches[0])
+        if ec.temperature > 0:  # paper App. C.5: the lossless methods, sampling
+            methods = [m for m in ("ar", "eagle3", "schemafill") if m in ec.methods]
+            hot = dataclasses.replace(cfg.decode, temperature=ec.temperature)
+            sampled[dataset] = summarize([launch(dataset, f"temperature_{ec.temperature:g}", methods, hot)])
 
     device = resolve_device()
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -154,7 +161,9 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
     with atomic.atomic_path(out) as tmp:
         atomic.write_json(tmp / "metrics.json", metrics)
         atomic.write_json(tmp / "by_calls.json", calls)
-        tables, plots = write_report(tmp, cfg.run_name, metrics, calls, per_row, str(dtype).replace("torch.", ""))
+        atomic.write_json(tmp / "sampled.json", {"temperature": ec.temperature, "metrics": sampled})
+        tables, plots = write_report(tmp, cfg.run_name, metrics, calls, per_row, str(dtype).replace("torch.", ""),
+                                     sampled, ec.temperature)
         write_manifest(tmp, fp, stage="eval", target=location, head=str(head))
     shutil.rmtree(work.parent, ignore_errors=True)
     summary = write_summary(out.parent)
@@ -173,7 +182,7 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
 
 
 def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per_row: int,
-                 dtype: str) -> tuple[dict, list[str]]:
+                 dtype: str, sampled: dict | None = None, temperature: float = 0.0) -> tuple[dict, list[str]]:
     """report.md and plots/*.png in ``folder``; returns the tables and plot names."""
     tables = {"table1_end_to_end": report.table1(metrics)}
     lines = [f"# SchemaFill evaluation — `{model}`", "",
@@ -201,6 +210,12 @@ def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per
         tables["table5_time"] = report.table5(sf)
         lines += [f"## Table 5 — SchemaFill time breakdown ({main})", "", report.markdown(*tables["table5_time"]), ""]
 
+    if sampled:
+        tables["table6_sampled"] = report.table6(sampled)
+        lines += [f"## Table 6 — sampling at temperature {temperature:g}", "",
+                  "Exact speculative sampling (the target's choice at each verified node is a fresh draw; drafts "
+                  "stay greedy); AR agreement does not apply to samples.", "",
+                  report.markdown(*tables["table6_sampled"]), ""]
     lines += ["## Plots", ""]
     shown = {k: v for k, v in m.items() if v["accept_length"] is not None}
     report.bar_plot({k: v["accept_length"] for k, v in shown.items()}, "accept length", f"AL per method ({main})",

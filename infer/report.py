@@ -108,6 +108,14 @@ def table5(m: dict) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
+def table6(sampled: dict[str, dict[str, dict]]) -> tuple[list[str], list[list]]:
+    """Sampling: AL, TPS and speedup over AR at the same temperature, per dataset."""
+    columns = ["Dataset", "Method", "AL", "E2E TPS", "Speedup"]
+    rows = [[d, m, _num(v["accept_length"]), _tps(v), None if v.get("speedup") is None else f"{v['speedup']:.2f}×"]
+            for d, methods in sampled.items() for m, v in methods.items()]
+    return columns, rows
+
+
 def bar_plot(values: dict[str, float], ylabel: str, title: str, path: Path) -> Path:
     import matplotlib
 

@@ -128,6 +128,7 @@ class EvalConfig:
     limit: int = 0  # requests per dataset, evenly spread over the file (categories stay balanced); 0 = all
     repeats: int = 1  # timed launches per dataset; TPS is reported as mean ± sample std when > 1
     warmup: int = 1
+    temperature: float = 1.0  # one more launch of ar/eagle3/schemafill sampling at it (Table 6); 0 = none
 
 
 @dataclass

@@ -45,7 +45,10 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     by_calls = json.loads((out / "by_calls.json").read_text())
     assert sum(g["ar"]["requests"] for g in by_calls["bfcl450"].values()) == 3
     text = (out / "report.md").read_text()
-    for title in ("Table 1", "Table 2", "Table 4", "Table 5"):
+    sampled = json.loads((out / "sampled.json").read_text())
+    assert sampled["temperature"] == 1.0 and list(sampled["metrics"]["bfcl450"]) == ["ar", "eagle3", "schemafill"]
+    assert sampled["metrics"]["bfcl450"]["ar"]["speedup"] == 1.0
+    for title in ("Table 1", "Table 2", "Table 4", "Table 5", "Table 6"):
         assert title in text
     for plot in ("al_per_method", "speedup_per_method"):
         assert f"](plots/{plot}.png)" in text
@@ -62,7 +65,7 @@ def test_eval_resumes_after_a_crash(tmp_path, tiny_target, tiny_head, builtin_ar
     import infer.eval as stage
 
     cfg = eval_cfg(tmp_path, tiny_target, tiny_head, builtin_artifacts, "eval.methods=[ar,eagle3]",
-                   "eval.ablations=false")
+                   "eval.ablations=false", "eval.temperature=0")
     real, calls = stage.infer_run, []
 
     def crash_on_second(icfg):
@@ -77,4 +80,4 @@ def test_eval_resumes_after_a_crash(tmp_path, tiny_target, tiny_head, builtin_ar
     calls.clear()
     monkeypatch.setattr(stage, "infer_run", lambda icfg: (calls.append(icfg.out), real(icfg))[1])
     stage.build_eval(cfg, None)
-    assert len(calls) == 1 and calls[0].endswith("infer_1")  # the first launch was kept
+    assert len(calls) == 1 and calls[0].endswith("infer_launch_1")  # the first launch was kept

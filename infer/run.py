@@ -31,6 +31,7 @@ from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.parallel_fill import ParallelFill
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
+from infer.decoders.toolspec import ToolSpec
 from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget, load_runtime_head
 from infer.sampling import Sampler
 from schemafill import atomic
@@ -65,7 +66,7 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
     decoders: dict[str, Decoder] = {}
     if "ar" in cfg.methods:
         decoders["ar"] = lambda r, ids, smp: decode_ar(target, tokenizer, ids, max_new, eos, smp)
-    if any(m not in ("ar", "parallel_fill") for m in cfg.methods):
+    if any(m not in ("ar", "parallel_fill", "toolspec") for m in cfg.methods):
         folder = cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name)
         head = load_runtime_head(folder, target)
     budget = TreeBudget(d.topk, d.depth, d.total_tokens)
@@ -79,6 +80,9 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
                             SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
                                              side_depth=d.side_depth))
             decoders[m] = lambda r, ids, smp, sf=sf: sf.decode(r, ids, sampler=smp)
+        elif m == "toolspec":
+            ts = ToolSpec(target, tokenizer, eos, max_new)
+            decoders[m] = lambda r, ids, smp, ts=ts: ts.decode(r, ids, sampler=smp)
         elif m == "parallel_fill":
             pf = ParallelFill(target, tokenizer, eos)
             decoders[m] = lambda r, ids, smp: pf.decode(ids, ar_outputs[r.id]["text"], ar_outputs[r.id]["output_ids"])

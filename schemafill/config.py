@@ -123,7 +123,7 @@ class EvalConfig:
     """Stage `eval`: every method on the evaluation sets, side by side, and the report."""
 
     datasets: list[str] = field(default_factory=lambda: ["bfcl450", "glaive650"])  # absent sets are skipped
-    methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "parallel_fill", "schemafill"])
+    methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "parallel_fill", "schemafill"])
     ablations: bool = True  # Table 2: SchemaFill stages A-C too, on bfcl450 (schemafill itself is D)
     limit: int = 0  # requests per dataset, evenly spread over the file (categories stay balanced); 0 = all
     repeats: int = 1  # timed launches per dataset; TPS is reported as mean ± sample std when > 1
@@ -174,7 +174,7 @@ class PipelineConfig:
 
 
 METHODS = ("ar", "eagle3", "eagle3_wide", "schemafill", "schemafill_A", "schemafill_B", "schemafill_C",
-           "schemafill_D", "parallel_fill")
+           "schemafill_D", "parallel_fill", "toolspec")
 
 
 @dataclass

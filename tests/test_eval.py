@@ -37,8 +37,9 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     metrics = json.loads((out / "metrics.json").read_text())
     assert list(metrics) == ["bfcl450"] and result["metrics"] == metrics
     m = metrics["bfcl450"]
-    assert list(m) == ["ar", "eagle3", "parallel_fill", "schemafill", "schemafill_A", "schemafill_B", "schemafill_C"]
-    for method in ("eagle3", "schemafill", "schemafill_A", "schemafill_B", "schemafill_C"):
+    assert list(m) == ["ar", "eagle3", "toolspec", "parallel_fill", "schemafill", "schemafill_A", "schemafill_B",
+                       "schemafill_C"]
+    for method in ("eagle3", "toolspec", "schemafill", "schemafill_A", "schemafill_B", "schemafill_C"):
         assert m[method]["ar_agreement"] == 1.0 and m[method]["requests"] == 3
     assert m["ar"]["speedup"] == 1.0 and m["ar"]["launches"] == 2 and m["ar"]["tps_std"] is not None
     assert m["parallel_fill"]["accept_length"] is None
@@ -46,7 +47,7 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     assert sum(g["ar"]["requests"] for g in by_calls["bfcl450"].values()) == 3
     text = (out / "report.md").read_text()
     sampled = json.loads((out / "sampled.json").read_text())
-    assert sampled["temperature"] == 1.0 and list(sampled["metrics"]["bfcl450"]) == ["ar", "eagle3", "schemafill"]
+    assert sampled["temperature"] == 1.0 and list(sampled["metrics"]["bfcl450"]) == ["ar", "eagle3", "toolspec", "schemafill"]
     assert sampled["metrics"]["bfcl450"]["ar"]["speedup"] == 1.0
     for title in ("Table 1", "Table 2", "Table 4", "Table 5", "Table 6"):
         assert title in text

@@ -44,19 +44,19 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(lines[:2] + ["{not json"] + lines[2:]) + "\n")
     lengths = [len(prompt_ids(ToolRequest.from_dict(json.loads(x)), "plain", smol_tokenizer)) for x in lines]
-    cfg = infer_cfg(tmp_path, tiny_target, tiny_head, requests, "methods=[ar,eagle3,eagle3_wide,schemafill,parallel_fill]",
+    cfg = infer_cfg(tmp_path, tiny_target, tiny_head, requests, "methods=[ar,eagle3,eagle3_wide,schemafill,toolspec,parallel_fill]",
                     f"model.max_context={max(lengths) - 1 + 24}")  # the longest prompt no longer fits
     result = run(cfg)
     out = tmp_path / "out"
     metrics = json.loads((out / "metrics.json").read_text())
-    assert list(metrics) == ["ar", "eagle3", "eagle3_wide", "schemafill", "parallel_fill"]
+    assert list(metrics) == ["ar", "eagle3", "eagle3_wide", "schemafill", "toolspec", "parallel_fill"]
     assert metrics["parallel_fill"]["accept_length"] is None  # no verification: AL does not apply
     skipped = [json.loads(x) for x in (out / "skipped.jsonl").read_text().splitlines()]
     assert any(s["line"] == 3 and "not JSON" in s["reason"] for s in skipped)
     assert any("exceed the context" in s["reason"] for s in skipped)
     decoded = metrics["ar"]["requests"]
     assert 0 < decoded < 5 and decoded + len(skipped) == 6
-    for m in ("eagle3", "eagle3_wide", "schemafill"):
+    for m in ("eagle3", "eagle3_wide", "schemafill", "toolspec"):
         assert metrics[m]["ar_agreement"] == 1.0  # lossless on every request
         assert metrics[m]["tokens"] == metrics["ar"]["tokens"]
     assert metrics["ar"]["accept_length"] == 1.0 and metrics["ar"]["nodes_per_verify"] == 0

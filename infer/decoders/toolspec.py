@@ -1,0 +1,138 @@
+"""ToolSpec baseline (issue #10): schema-FSM drafting plus retrieval, one verified token tree.
+
+What follows ToolSpec (Xia et al., 2026) as the paper and the issue describe it:
+
+* **Schema state machine.** From MAIN's parse state the response grammar predicts the
+  structural text it can: the header, a tool-name continuation for every catalog tool the
+  typed prefix still allows, then ``", "arguments": {"`` and the chosen tool's keys in
+  schema order (its required ones, or all when none is required; a partial key completes
+  to any schema key) with their delimiters, up to the first value; after a call, both ``]}`` and
+  ``, {"name": ...`` for each tool. (Built on the packer with one plan per tool and no
+  prepared values: the same canonical serialization SchemaFill uses.)
+* **Retrieval.** A summary of the request — the mean of the target's three fused hidden
+  states over the prompt, from the prefill — is compared by cosine similarity with the
+  requests decoded before (a store filled as requests finish; a request never retrieves
+  its own output); the top 3 outputs are sources of candidate continuations.
+* **One tree.** Candidates are merged into one prefix tree and verified by the target like
+  EAGLE-3's; the longest greedy path plus the correction is committed, so it is lossless.
+
+Where we had to decide: continuations are taken from a source by *token recycling* — the
+longest suffix (up to 3 tokens) of the committed text found in the source proposes the
+tokens after its last occurrence — and the prompt and the response so far are sources too
+(values are often copied from the request). Chains are added FSM first, then retrieved
+ones in similarity order, until the tree holds ``total`` nodes; each is at most ``length``
+tokens. No learned drafter is involved.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from infer.decoders import Decoded
+from infer.decoders.schemafill import continuation_ids
+from infer.forecast import predicted_keys
+from infer.packer import CallPlan, propose
+from infer.sampling import Sampler
+from infer.session import MainSession
+from infer.tree import chain, merge
+from schemafill.runtime import Target
+from schemafill.stopping import ResponseStop
+from schemafill.toolcall import ToolRequest
+
+
+def recycle(context: list[int], source: list[int], n_max: int = 3, length: int = 8) -> list[int]:
+    """The tokens after the last occurrence in ``source`` of the longest suffix of
+    ``context`` (at most ``n_max`` tokens) found there; [] when none is."""
+    for n in range(min(n_max, len(context)), 0, -1):
+        tail = context[-n:]
+        for start in range(len(source) - n - 1, -1, -1):  # leave at least one token to propose
+            if source[start:start + n] == tail:
+                return source[start + n:start + n + length]
+    return []
+
+
+class RetrievalStore:
+    """Outputs of requests decoded so far, keyed by their request summaries."""
+
+    def __init__(self, k: int = 3) -> None:
+        self.k = k
+        self.ids: list[str] = []
+        self.keys: list[torch.Tensor] = []
+        self.outputs: list[list[int]] = []
+
+    def add(self, request_id: str, summary: torch.Tensor, output: list[int]) -> None:
+        if request_id in self.ids:  # decoded again (warm-up, repeats): keep the first
+            return
+        self.ids.append(request_id)
+        self.keys.append(torch.nn.functional.normalize(summary.float().cpu(), dim=0))
+        self.outputs.append(list(output))
+
+    def nearest(self, summary: torch.Tensor, exclude: str) -> list[list[int]]:
+        """The ``k`` most similar earlier outputs, most similar first; never ``exclude``'s."""
+        if not self.keys:
+            return []
+        sims = torch.stack(self.keys) @ torch.nn.functional.normalize(summary.float().cpu(), dim=0)
+        order = sims.argsort(descending=True).tolist()
+        return [self.outputs[i] for i in order if self.ids[i] != exclude][: self.k]
+
+
+class ToolSpec:
+    def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
+                 total: int = 16, length: int = 12, k: int = 3) -> None:
+        self.target, self.tokenizer, self.eos, self.max_new_tokens = target, tokenizer, eos, max_new_tokens
+        self.total, self.length = total, length
+        self.store = RetrievalStore(k)
+
+    def decode(self, request: ToolRequest, prompt: list[int], sampler: Sampler | None = None) -> Decoded:
+        tok = self.tokenizer
+        times = {"drafting": 0.0, "verification": 0.0}
+        plans = {fn["name"]: CallPlan(fn["name"], tuple(predicted_keys(fn)),
+                                      tuple(((fn.get("parameters") or {}).get("properties") or {})), {})
+                 for fn in request.functions}
+        s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
+                        scratch=self.total, sampler=sampler)
+        t = time.perf_counter()
+        s.prefill()
+        times["verification"] += time.perf_counter() - t
+        summary = s.new_aux[: len(prompt)].mean(0)  # [3H]
+        sources = self.store.nearest(summary, exclude=request.id)
+        while not s.done:
+            t = time.perf_counter()
+            tokens, parents = self._tree(s, plans, sources + [prompt])
+            times["drafting"] += time.perf_counter() - t
+            t = time.perf_counter()
+            s.verify(tokens, parents)
+            times["verification"] += time.perf_counter() - t
+        self.store.add(request.id, summary, s.response)
+        return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls,
+                       nodes=s.nodes, times=times, kv_rows=s.peak_rows)
+
+    def _tree(self, s: MainSession, plans: dict[str, CallPlan], sources: list[list[int]]) -> tuple[list, list]:
+        text, state = s.stop.parsed_text, s.stop.parser.state
+        committed = s.response
+        chains = []
+        # the schema FSM: one canonical continuation per tool the committed text still allows
+        position = state.call_index if state.call_index is not None else state.calls_started
+        realized = [plans[state.tool_name]] if state.tool_name in plans else list(plans.values())
+        for plan in realized:
+            suffix = propose(text, state, [plan] * (position + 1), cross_calls=state.call_index is None)
+            if suffix:
+                chains.append(continuation_ids(self.tokenizer, committed, text, suffix.rstrip(" ")))
+        if state.call_index is None and state.calls_started:  # or the list closes here
+            chains.append(continuation_ids(self.tokenizer, committed, text, propose(text, state, [])))
+        # retrieval and recycling: earlier outputs, the prompt, the response so far
+        context = s.tokens  # prompt + committed (the pending token last)
+        for source in sources + [committed]:
+            chains.append(recycle(context, source, length=self.length))
+        tree: tuple[list, list] = ([], [])
+        for c in chains:
+            if not c:
+                continue
+            grown = merge([tree, chain(c[: self.length])])
+            if len(grown[0]) > self.total:
+                continue
+            tree = grown
+        return tree

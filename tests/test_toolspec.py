@@ -1,0 +1,59 @@
+"""ToolSpec: token recycling and the retrieval store on literal cases; lossless decoding on a
+random model and on the built-in model, where its FSM and retrieval cut target calls."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.decoders.ar import decode_ar
+from infer.decoders.toolspec import RetrievalStore, ToolSpec, recycle
+from schemafill.models import generation_eos, load_tokenizer
+from schemafill.prompt import prompt_ids
+from schemafill.runtime import load_target
+from tests.test_schemafill import CASES, request
+
+
+def test_recycle_takes_the_longest_suffix_and_its_last_occurrence():
+    source = [1, 2, 3, 9, 2, 3, 4, 5, 6]
+    assert recycle([7, 2, 3], source, length=2) == [4, 5]  # "2 3" last seen before 4 5
+    assert recycle([1, 2, 3], source, length=3) == [9, 2, 3]  # the 3-token suffix wins over "2 3"
+    assert recycle([8, 8], source) == []
+    assert recycle([6], source) == []  # at the very end: nothing follows
+
+
+def test_store_returns_the_most_similar_outputs_but_never_the_requests_own():
+    store = RetrievalStore(k=2)
+    store.add("a", torch.tensor([1.0, 0.0]), [1])
+    store.add("b", torch.tensor([0.6, 0.8]), [2])
+    store.add("c", torch.tensor([0.0, 1.0]), [3])
+    store.add("a", torch.tensor([0.0, 1.0]), [99])  # decoded again: the first output stays
+    assert store.nearest(torch.tensor([1.0, 0.1]), exclude="x") == [[1], [2]]
+    assert store.nearest(torch.tensor([1.0, 0.1]), exclude="a") == [[2], [3]]
+
+
+def test_lossless_on_a_random_model(tiny_target):
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    ts = ToolSpec(target, tok, eos, 24)
+    for name in ("bm25", "twenty", "one_tool"):
+        ids = prompt_ids(request(name), "plain", tok)
+        assert ts.decode(request(name), ids).ids == decode_ar(target, tok, ids, 24, eos).ids
+
+
+def test_lossless_and_fewer_calls_on_the_builtin_model(builtin_artifacts):
+    folder = builtin_artifacts / "targets" / "smollm2-135m-base"
+    tok = load_tokenizer(str(folder))
+    eos = generation_eos(str(folder), tok)
+    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27])
+    ts = ToolSpec(target, tok, eos, 48)
+    saved = 0
+    for name in CASES:
+        ids = prompt_ids(request(name), "plain", tok)
+        ar = decode_ar(target, tok, ids, 48, eos)
+        out = ts.decode(request(name), ids)
+        assert out.ids == ar.ids, name
+        assert max(out.nodes[1:], default=0) <= 16
+        saved += ar.target_calls - out.target_calls
+    assert len(ts.store.ids) == len(CASES)
+    assert saved > len(CASES) * 5  # the header, tool names and keys come from the schema FSM

@@ -53,12 +53,16 @@ class ResponseStop:
             if int(tok) in self.eos_ids:
                 self.reason = "eos"
             else:
-                self._feed_text()
-                if self._parser.state.closed:
-                    self.reason = "closed"
+                self._check()
             if self.reason is None and len(self.ids) >= self.max_new_tokens:
                 self.reason = "length"
         return taken
+
+    def _check(self) -> None:
+        """After a non-EOS token: set ``reason`` if the text now ends the response."""
+        self._feed_text()
+        if self._parser.state.closed:
+            self.reason = "closed"
 
     def _feed_text(self) -> None:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)

@@ -25,44 +25,24 @@ from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 
 
-class ValueStop:
+class ValueStop(ResponseStop):
     """Stopping rule for one value: its literal closed, EOS, a parse error, or the cap."""
 
     def __init__(self, tokenizer: Any, eos: frozenset[int], header: str, key: str, max_tokens: int) -> None:
-        self.tokenizer, self.eos, self.header, self.key, self.max_tokens = tokenizer, eos, header, key, max_tokens
-        self.ids: list[int] = []
-        self.reason: str | None = None  # closed | eos | error | length
-        self.literal: str | None = None
+        super().__init__(tokenizer, eos, max_tokens)
+        self.header, self.key = header, key
+        self.literal: str | None = None  # reason: closed | eos | error | length
 
-    @property
-    def done(self) -> bool:
-        return self.reason is not None
-
-    @property
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def push(self, tokens: list[int]) -> int:
-        taken = 0
-        for token in tokens:
-            if self.done:
-                break
-            self.ids.append(int(token))
-            taken += 1
-            if int(token) in self.eos:
-                self.reason = "eos"
-                break
-            text = self.header + self.text
-            if not text.endswith("\ufffd"):  # else a multi-byte character is still split
-                state = parse_prefix(text)
-                self.literal = next((text[a:e] for k, a, e in state.spans if k == self.key), None)
-                if self.literal is not None:
-                    self.reason = "closed"
-                elif state.error is not None:
-                    self.reason = "error"
-            if self.reason is None and len(self.ids) >= self.max_tokens:
-                self.reason = "length"
-        return taken
+    def _check(self) -> None:
+        text = self.header + self.text
+        if text.endswith("\ufffd"):  # a multi-byte character is still split
+            return
+        state = parse_prefix(text)
+        self.literal = next((text[a:e] for k, a, e in state.spans if k == self.key), None)
+        if self.literal is not None:
+            self.reason = "closed"
+        elif state.error is not None:
+            self.reason = "error"
 
 
 class ParallelFill:

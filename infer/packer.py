@@ -17,6 +17,10 @@ own tree still runs, and the target decides every token either way.
 Decisions: a partially written key is completed with the first predicted key, then any
 schema key, that starts with it; after the last predicted call the list is closed; with
 ``cross_calls`` off (ablation C) the proposal stops at the end of the current call.
+Beyond the paper, a value still being prepared may be given as ``provisional`` text (what
+its SIDE branch has so far): the proposal then runs through it and stops there, so MAIN
+can catch up with a long value its branch started rounds earlier instead of re-drafting
+it with the head alone.
 """
 
 from __future__ import annotations
@@ -39,20 +43,29 @@ class CallPlan:
     keys: tuple[str, ...]  # keys predicted to be written, in order
     schema_keys: tuple[str, ...] = ()  # every key of the tool's schema, in order
     values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
+    provisional: dict[str, str] = field(default_factory=dict)  # key -> unclosed value prefix (SIDE so far)
 
 
 def call_header(tool: str) -> str:
     return '{"name": ' + dumps(tool) + ', "arguments": {'
 
 
-def _call_pieces(tool: str, fields: list[tuple[str, str | None]]) -> list[str | None]:
-    """Text pieces of one call; None where a value is unknown (the proposal stops there)."""
+def _call_pieces(tool: str, fields: list[tuple[str, str | None]],
+                 provisional: dict[str, str] | None = None) -> list[str | None]:
+    """Text pieces of one call; None where a value is unknown (the proposal stops there,
+    after the value's provisional prefix if it has one)."""
     out: list[str | None] = [call_header(tool)]
     for i, (key, value) in enumerate(fields):
         out.append((", " if i else "") + dumps(key) + ": ")
+        if value is None and provisional and key in provisional:
+            out.append(provisional[key])
         out.append(value)
     out.append("}}")
     return out
+
+
+def _plan_pieces(plan: CallPlan) -> list[str | None]:
+    return _call_pieces(plan.tool, [(k, plan.values.get(k)) for k in plan.keys], plan.provisional)
 
 
 def _join(pieces: list[str | None]) -> str:
@@ -103,19 +116,21 @@ def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bo
         fields = _current_fields(text, state, plan)
         if fields is None:
             return ""
-        base, pieces, nxt = text[:state.call_start], _call_pieces(tool, fields), j + 1
+        # a provisional value MAIN has already run past proposes nothing (no prefix match)
+        base, pieces, nxt = text[:state.call_start], _call_pieces(tool, fields, plan.provisional), j + 1
     elif state.calls_started:  # between calls: after the "}" of the last one
         base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
     else:  # no call yet
         base, pieces, nxt = "", [HEADER], 0
         if nxt < len(plans):
-            pieces += _call_pieces(plans[0].tool, [(k, plans[0].values.get(k)) for k in plans[0].keys])
+            pieces += _plan_pieces(plans[0])
             nxt = 1
     if cross_calls or not pieces or pieces == [HEADER]:
         for plan in plans[nxt:]:
-            pieces += [", "] + _call_pieces(plan.tool, [(k, plan.values.get(k)) for k in plan.keys])
+            pieces += [", "] + _plan_pieces(plan)
         pieces.append("]}")
     predicted = base + _join(pieces)
     if not predicted.startswith(text):
         return ""
     return predicted[len(text):]
+

@@ -72,6 +72,7 @@ class DecodeConfig:
     depth: int = 2  # MAIN draft depth (EAGLE-3 tree depth)
     total_tokens: int = 8  # draft tokens per verification
     side_depth: int = 1  # head-drafted tokens per SIDE branch and round (paper: 1; 0 = the target's token only)
+    pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/packer.py)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN, C: + SIDE drafting, D: + packing
 

@@ -42,6 +42,20 @@ def test_between_calls_and_after_the_last():
     assert p(text + "]}", [TIME]) == ""  # closed
 
 
+def test_a_provisional_value_ends_the_chain_and_must_extend_mains_text():
+    plans = [CallPlan("get_weather", ("city", "unit"), ("city", "unit"), {"unit": '"C"'}, {"city": '"Lon'}),
+             CallPlan("get_time", ("tz",), ("tz",), {}, {"tz": '"UT'})]
+    head = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": '
+    assert p("", plans) == head + '"Lon'  # stops after the provisional prefix, never past it
+    assert p(head + '"L', plans) == 'on'
+    assert p(head + '"Lon', plans) == ""  # MAIN caught up: nothing left to offer
+    assert p(head + '"Par', plans) == ""  # MAIN wrote something else
+    # a provisional value of a later call follows the prepared rest of this one
+    done = head + '"London"'
+    assert p(done, plans) == ', "unit": "C"}}, {"name": "get_time", "arguments": {"tz": "UT'
+    assert p(done, plans, cross_calls=False) == ', "unit": "C"}}'
+
+
 def test_off_format_text_gets_no_proposal():
     assert p('{"tool_calls": [{"name":"get_weather"', [WEATHER]) == ""  # other spacing inside the call
     # spacing outside the current call does not matter: the call is rebuilt from its "{"

@@ -33,6 +33,9 @@ Decisions where the paper is silent: each round a SIDE branch contributes its pe
 token (the target's previous choice for it) and, with ``side_depth`` 1 (the paper's), the
 head's top-1 draft after it, so a branch advances one or two tokens per round; the head
 drafts greedily from its own KV of the branch's private context (``SideContexts``).
+Beyond the paper (``pack_provisional``, on by default): the packer also gets the unclosed
+value a branch has so far and chains through it, so MAIN catches up with a long value a
+branch started rounds earlier (BFCL, 10 requests, full head: 251 -> 243 target calls).
 At most ``max_branches`` are active (current call first); a branch whose value passes
 ``max_value_tokens`` is retired unprepared; the packed chain is capped at ``max_chain``
 tokens.
@@ -67,6 +70,7 @@ class SchemaFillConfig:
     forecast_budget: int = 3  # B call groups
     ablation: str = "D"
     side_depth: int = 1
+    pack_provisional: bool = True
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -375,6 +379,8 @@ class SchemaFill:
             # ---- MAIN proposal: head tree + packed chain
             t = time.perf_counter()
             tokens, parents = self.drafter.draft(s.tokens, s.new_aux)
+            if side and cfg.pack_provisional:
+                self._provisional(branches, plans)
             if plans:
                 # a lone trailing space before an unknown value would not be the target's token
                 suffix = propose(text, state, plans, cross_calls=cfg.ablation == "D").rstrip(" ")
@@ -467,6 +473,18 @@ class SchemaFill:
         extra += segments
         owners += [b.trunk] * (len(segments) - 1) + [b]
         return True
+
+    def _provisional(self, branches: list[Branch], plans: list[CallPlan]) -> None:
+        """Hand each plan the unclosed values its branches have so far (the pending token
+        included: it is the target's own choice in that context)."""
+        for plan in plans:
+            plan.provisional.clear()
+        for b in branches:
+            if b.call < len(plans) and plans[b.call].tool == b.tool and b.value:
+                ids = b.value + ([b.pending] if b.pending is not None and b.pending not in self.eos else [])
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                if text.startswith(" ") and text.strip():  # the packer writes the space after the colon
+                    plans[b.call].provisional[b.field] = text[1:]
 
     def _collect(self, branches: list[Branch], plans: list[CallPlan], contexts: SideContexts,
                  done: set[tuple[int, str]]) -> list[Branch]:

@@ -1,6 +1,7 @@
 """GPU check: what one target call costs on a real accelerator, and AR vs EAGLE-3 overheads.
 
     python infer/gpu_check.py [--shape qwen2.5-7b|tiny] [--out outputs/gpu_check.json]
+    python infer/gpu_check.py --lossless --tokenizer DIR --requests FILE [--out ...]
 
 Builds a random-init Qwen2.5-7B-shaped target in bf16 directly on the device (no download),
 times one-token decode against tree verification of 8/16/32/64 nodes at a realistic
@@ -8,6 +9,12 @@ context, then decodes a few random prompts with AR and with EAGLE-3 driven by a 
 head (acceptance is ~1 there: this measures the drafting and verification overhead the
 trained head has to beat). Prints a short table and writes JSON. ``--shape tiny`` runs the
 same code on a CPU in seconds (the smoke test).
+
+``--lossless`` runs ``infer/run.py`` itself on the device, every lossless method on real
+requests, with a random-init Llama over the given tokenizer and a random exported head: in
+fp32 every method must equal AR on every request (exit status 1 otherwise); in bf16 the
+agreement is reported, since near-flat random logits let kernels of different shapes break
+ties differently.
 """
 
 from __future__ import annotations
@@ -97,6 +104,50 @@ def verify_costs(target: Target, context: int, sizes: list[int], repeats: int) -
     return out
 
 
+LOSSLESS_METHODS = ["ar", "eagle3", "eagle3_wide", "toolspec", "schemafill_B", "schemafill_C", "schemafill"]
+
+
+def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
+    """``infer/run.py`` on this device with a random Llama over ``tokenizer_dir``: metrics per dtype."""
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from infer.run import run
+    from schemafill.config import InferConfig, register_configs, to_dataclass
+    from schemafill.drafter import save_head
+    from schemafill.runtime import load_target
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                     tie_word_embeddings=True)
+    model = LlamaForCausalLM(hf).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(work / "target")
+    tok.save_pretrained(work / "target")
+    target = load_target(work / "target", torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 3])
+    c = HeadConfig.from_target(target.hf_config, draft_vocab_size=4096, aux_layer_ids=[1, 2, 3])
+    head = Eagle3Head(c, target.model.embed_tokens, *rope_tables(target.hf_config))
+    head.set_vocab(torch.arange(4096))
+    save_head(head, work / "head")
+
+    register_configs()
+    results = {}
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    for dtype in ("float32", "bfloat16"):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose(config_name="infer", overrides=[
+                f"requests={requests}", f"out={work / dtype}", f"head={work / 'head'}",
+                f"model.source={work / 'target'}", "model.finetune=false", "model.aux_layer_ids=[1,2,3]",
+                f"model.dtype={dtype}", "decode.max_new_tokens=48", f"limit={limit}", "logger=none",
+                f"methods=[{','.join(LOSSLESS_METHODS)}]", f"paths.artifacts={work / 'artifacts'}"])
+        metrics = run(to_dataclass(cfg, InferConfig))["metrics"]
+        results[dtype] = {m: {k: metrics[m][k] for k in ("ar_agreement", "accept_length", "tps", "requests")}
+                          for m in metrics}
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
@@ -105,7 +156,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="outputs/gpu_check.json")
+    ap.add_argument("--lossless", action="store_true", help="run infer/run.py's lossless methods instead")
+    ap.add_argument("--tokenizer", help="--lossless: a tokenizer folder (the built-in target's)")
+    ap.add_argument("--requests", default="artifacts/requests/bfcl450.jsonl", help="--lossless: ToolRequest JSONL")
+    ap.add_argument("--limit", type=int, default=12, help="--lossless: requests, spread over the file")
     args = ap.parse_args()
+    if args.lossless:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as work:
+            report = lossless(args.tokenizer, args.requests, args.limit, Path(work))
+        atomic.write_json(Path(args.out), report)
+        broken = [m for m, v in report["float32"].items() if v["ar_agreement"] not in (None, 1.0)]
+        print(f"fp32 lossless on {resolve_device()}: {'every method' if not broken else 'BROKEN: ' + str(broken)}")
+        print("bf16 agreement:", {m: v["ar_agreement"] for m, v in report["bfloat16"].items()})
+        raise SystemExit(1 if broken else 0)
 
     device = resolve_device()
     dtype = resolve_dtype("auto", device)

@@ -57,7 +57,8 @@ def table2(methods: dict[str, dict]) -> tuple[list[str], list[list]]:
     eagle = methods.get("eagle3", {}).get("tps")
     rows = []
     for method, stage, adds in ABLATION_STAGES:
-        m = methods.get(method) or (methods.get("schemafill") if stage == "D" else None)
+        fallback = {"A": "eagle3", "D": "schemafill"}.get(stage)  # the same decoder under its own name
+        m = methods.get(method) or (methods.get(fallback) if fallback else None)
         if m is None:
             continue
         rows.append([stage, adds, _num(m["accept_length"]), _tps(m),

@@ -78,7 +78,8 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
             ablation = m.split("_")[1] if "_" in m else d.ablation
             sf = SchemaFill(target, tokenizer, head, eos, max_new,
                             SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
-                                             side_depth=d.side_depth, pack_provisional=d.pack_provisional))
+                                             side_depth=d.side_depth, pack_provisional=d.pack_provisional,
+                                             side_optional=d.side_optional))
             decoders[m] = lambda r, ids, smp, sf=sf: sf.decode(r, ids, sampler=smp)
         elif m == "toolspec":
             ts = ToolSpec(target, tokenizer, eos, max_new)

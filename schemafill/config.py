@@ -73,6 +73,7 @@ class DecodeConfig:
     total_tokens: int = 8  # draft tokens per verification
     side_depth: int = 1  # head-drafted tokens per SIDE branch and round (paper: 1; 0 = the target's token only)
     pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/packer.py)
+    side_optional: bool = True  # SIDE branches for optional schema keys too, after the predicted ones
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN, C: + SIDE drafting, D: + packing
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from infer.decoders.ar import decode_ar
+from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
-from infer.head_drafter import SCHEMAFILL_BUDGET
+from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
 from schemafill.drafter import Eagle3Head, HeadConfig
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
@@ -82,6 +83,10 @@ def check(target, tok, eos, names, ablations, max_new=40, oracle=False, **limits
             out = sf.decode(req, ids, groups=groups, values=oracle_values(ar.text) if oracle else None)
             assert out.ids == ar.ids, (name, ab, ar.text, out.text)
             assert out.stop == ar.stop
+            if ab == "A":  # EAGLE-3 inside SchemaFill's loop is EAGLE-3 (the eval reuses eagle3's row)
+                tree = decode_tree(target, tok, ids, max_new, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
+                                   scratch=SCHEMAFILL_BUDGET.total)
+                assert (tree.target_calls, tree.nodes) == (out.target_calls, out.nodes)
         yield name, ar, out
 
 

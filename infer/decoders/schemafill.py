@@ -36,6 +36,9 @@ drafts greedily from its own KV of the branch's private context (``SideContexts`
 Beyond the paper (``pack_provisional``, on by default): the packer also gets the unclosed
 value a branch has so far and chains through it, so MAIN catches up with a long value a
 branch started rounds earlier (BFCL, 10 requests, full head: 251 -> 243 target calls).
+Slots are the forecast's predicted keys (the required ones, else all); with ``side_optional``
+the schema's other keys get branches too, after every predicted one, so a value is ready if
+MAIN writes an optional key (the packer never proposes an unpredicted key by itself).
 At most ``max_branches`` are active (current call first); a branch whose value passes
 ``max_value_tokens`` is retired unprepared; the packed chain is capped at ``max_chain``
 tokens.
@@ -71,6 +74,7 @@ class SchemaFillConfig:
     ablation: str = "D"
     side_depth: int = 1
     pack_provisional: bool = True
+    side_optional: bool = True  # SIDE branches for schema keys the forecast did not predict, after the predicted
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -451,17 +455,20 @@ class SchemaFill:
                   done: set[tuple[int, str]], realized: set[tuple[int, str]]) -> list[Branch]:
         """Keep branches for the current and next call; open new ones up to the cap."""
         have = {(b.call, b.field) for b in branches}
-        for j in (current, current + 1):
-            if j >= len(plans):
+        calls = [j for j in (current, current + 1) if j < len(plans)]
+        # predicted keys first; then the schema's other keys, whose values MAIN uses only
+        # if it writes the key (the packer never proposes an unpredicted key by itself)
+        slots = [(j, k) for j in calls for k in plans[j].keys]
+        if self.cfg.side_optional:
+            slots += [(j, k) for j in calls for k in plans[j].schema_keys if k not in plans[j].keys]
+        for j, key in slots:
+            if len(branches) >= self.cfg.max_branches:
+                return branches
+            if (j, key) in have or (j, key) in done or (j, key) in realized or key in plans[j].values:
                 continue
-            for key in plans[j].keys:
-                if len(branches) >= self.cfg.max_branches:
-                    return branches
-                if (j, key) in have or (j, key) in done or (j, key) in realized or key in plans[j].values:
-                    continue
-                header = HEADER + call_header(plans[j].tool) + dumps(key) + ":"
-                branches.append(Branch(call=j, tool=plans[j].tool, field=key, hint=ordinal_hint(j), header=header))
-                have.add((j, key))
+            header = HEADER + call_header(plans[j].tool) + dumps(key) + ":"
+            branches.append(Branch(call=j, tool=plans[j].tool, field=key, hint=ordinal_hint(j), header=header))
+            have.add((j, key))
         return branches
 
     @staticmethod

@@ -133,4 +133,3 @@ def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bo
     if not predicted.startswith(text):
         return ""
     return predicted[len(text):]
-

@@ -63,13 +63,19 @@ def build(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[Target,
         for p in target.parameters():
             torch.nn.init.normal_(p, std=0.02)
         target = target.to(dtype).eval()
-        c = HeadConfig.from_target(hf, draft_vocab_size=32000, aux_layer_ids=list(target.config.aux_layer_ids))
-        head = Eagle3Head(c, target.model.embed_tokens, *rope_tables(hf))
+        head = random_head(target, hf, 32000)
         for name, p in head.named_parameters():
             if not name.startswith("embed_tokens"):
                 torch.nn.init.normal_(p, std=0.02)
-        head.set_vocab(torch.arange(c.draft_vocab_size))
     return target, head.to(dtype).eval()
+
+
+def random_head(target: Target, hf, draft_vocab_size: int) -> Eagle3Head:
+    """An untrained head whose draft vocabulary is the first ids of the target's."""
+    c = HeadConfig.from_target(hf, draft_vocab_size=draft_vocab_size, aux_layer_ids=list(target.config.aux_layer_ids))
+    head = Eagle3Head(c, target.model.embed_tokens, *rope_tables(hf))
+    head.set_vocab(torch.arange(c.draft_vocab_size))  # from_target caps it at the vocabulary
+    return head
 
 
 def sync(device: torch.device) -> None:
@@ -127,10 +133,7 @@ def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
     model.save_pretrained(work / "target")
     tok.save_pretrained(work / "target")
     target = load_target(work / "target", torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 3])
-    c = HeadConfig.from_target(target.hf_config, draft_vocab_size=4096, aux_layer_ids=[1, 2, 3])
-    head = Eagle3Head(c, target.model.embed_tokens, *rope_tables(target.hf_config))
-    head.set_vocab(torch.arange(4096))
-    save_head(head, work / "head")
+    save_head(random_head(target, target.hf_config, 4096), work / "head")
 
     register_configs()
     results = {}

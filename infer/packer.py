@@ -17,8 +17,8 @@ own tree still runs, and the target decides every token either way.
 Decisions: a partially written key is completed with the first predicted key, then any
 schema key, that starts with it; after the last predicted call the list is closed; with
 ``cross_calls`` off (ablation C) the proposal stops at the end of the current call.
-Beyond the paper, a value still being prepared may be given as ``provisional`` text (what
-its SIDE branch has so far): the proposal then runs through it and stops there, so MAIN
+Beyond the paper, a value still being prepared may be given as ``provisional`` text, keyed
+by (call, key) (what its SIDE branch has so far): the proposal then runs through it and stops there, so MAIN
 can catch up with a long value its branch started rounds earlier instead of re-drafting
 it with the head alone.
 """
@@ -43,7 +43,6 @@ class CallPlan:
     keys: tuple[str, ...]  # keys predicted to be written, in order
     schema_keys: tuple[str, ...] = ()  # every key of the tool's schema, in order
     values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
-    provisional: dict[str, str] = field(default_factory=dict)  # key -> unclosed value prefix (SIDE so far)
 
 
 def call_header(tool: str) -> str:
@@ -64,8 +63,8 @@ def _call_pieces(tool: str, fields: list[tuple[str, str | None]],
     return out
 
 
-def _plan_pieces(plan: CallPlan) -> list[str | None]:
-    return _call_pieces(plan.tool, [(k, plan.values.get(k)) for k in plan.keys], plan.provisional)
+def _plan_pieces(plan: CallPlan, provisional: dict[str, str] | None) -> list[str | None]:
+    return _call_pieces(plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional)
 
 
 def _join(pieces: list[str | None]) -> str:
@@ -103,8 +102,12 @@ def _current_fields(text: str, state: ParseState, plan: CallPlan) -> list[tuple[
     return fields
 
 
-def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True) -> str:
+def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
+            provisional: dict[tuple[int, str], str] | None = None) -> str:
     """The predicted continuation of MAIN's committed ``text`` (empty when there is none)."""
+    ahead: dict[int, dict[str, str]] = {}  # call -> key -> unclosed value prefix
+    for (j, key), prefix in (provisional or {}).items():
+        ahead.setdefault(j, {})[key] = prefix
     if state.closed or state.error is not None:
         return ""
     if state.call_index is not None:  # inside call j: rebuild it from its "{"
@@ -117,17 +120,17 @@ def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bo
         if fields is None:
             return ""
         # a provisional value MAIN has already run past proposes nothing (no prefix match)
-        base, pieces, nxt = text[:state.call_start], _call_pieces(tool, fields, plan.provisional), j + 1
+        base, pieces, nxt = text[:state.call_start], _call_pieces(tool, fields, ahead.get(j)), j + 1
     elif state.calls_started:  # between calls: after the "}" of the last one
         base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
     else:  # no call yet
         base, pieces, nxt = "", [HEADER], 0
         if nxt < len(plans):
-            pieces += _plan_pieces(plans[0])
+            pieces += _plan_pieces(plans[0], ahead.get(0))
             nxt = 1
     if cross_calls or not pieces or pieces == [HEADER]:
-        for plan in plans[nxt:]:
-            pieces += [", "] + _plan_pieces(plan)
+        for j in range(nxt, len(plans)):
+            pieces += [", "] + _plan_pieces(plans[j], ahead.get(j))
         pieces.append("]}")
     predicted = base + _join(pieces)
     if not predicted.startswith(text):

@@ -43,17 +43,18 @@ def test_between_calls_and_after_the_last():
 
 
 def test_a_provisional_value_ends_the_chain_and_must_extend_mains_text():
-    plans = [CallPlan("get_weather", ("city", "unit"), ("city", "unit"), {"unit": '"C"'}, {"city": '"Lon'}),
-             CallPlan("get_time", ("tz",), ("tz",), {}, {"tz": '"UT'})]
+    plans = [CallPlan("get_weather", ("city", "unit"), ("city", "unit"), {"unit": '"C"'}),
+             CallPlan("get_time", ("tz",), ("tz",), {})]
+    ahead = {(0, "city"): '"Lon', (1, "tz"): '"UT'}
     head = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": '
-    assert p("", plans) == head + '"Lon'  # stops after the provisional prefix, never past it
-    assert p(head + '"L', plans) == 'on'
-    assert p(head + '"Lon', plans) == ""  # MAIN caught up: nothing left to offer
-    assert p(head + '"Par', plans) == ""  # MAIN wrote something else
+    assert p("", plans, provisional=ahead) == head + '"Lon'  # stops after the provisional prefix, never past it
+    assert p(head + '"L', plans, provisional=ahead) == 'on'
+    assert p(head + '"Lon', plans, provisional=ahead) == ""  # MAIN caught up: nothing left to offer
+    assert p(head + '"Par', plans, provisional=ahead) == ""  # MAIN wrote something else
     # a provisional value of a later call follows the prepared rest of this one
     done = head + '"London"'
-    assert p(done, plans) == ', "unit": "C"}}, {"name": "get_time", "arguments": {"tz": "UT'
-    assert p(done, plans, cross_calls=False) == ', "unit": "C"}}'
+    assert p(done, plans, provisional=ahead) == ', "unit": "C"}}, {"name": "get_time", "arguments": {"tz": "UT'
+    assert p(done, plans, cross_calls=False, provisional=ahead) == ', "unit": "C"}}'
 
 
 def test_off_format_text_gets_no_proposal():

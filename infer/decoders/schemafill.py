@@ -384,11 +384,10 @@ class SchemaFill:
             # ---- MAIN proposal: head tree + packed chain
             t = time.perf_counter()
             tokens, parents = self.drafter.draft(s.tokens, s.new_aux)
-            if side and cfg.pack_provisional:
-                self._provisional(branches, plans)
             if plans:
+                ahead = self._provisional(branches, plans) if side and cfg.pack_provisional else None
                 # a lone trailing space before an unknown value would not be the target's token
-                suffix = propose(text, state, plans, cross_calls=cfg.ablation == "D").rstrip(" ")
+                suffix = propose(text, state, plans, cross_calls=cfg.ablation == "D", provisional=ahead).rstrip(" ")
                 packed = continuation_ids(tok, s.response, text, suffix)[: cfg.max_chain]
                 if packed:
                     tokens, parents = merge([(tokens, parents), chain(packed)])
@@ -482,17 +481,17 @@ class SchemaFill:
         owners += [b.trunk] * (len(segments) - 1) + [b]
         return True
 
-    def _provisional(self, branches: list[Branch], plans: list[CallPlan]) -> None:
-        """Hand each plan the unclosed values its branches have so far (the pending token
-        included: it is the target's own choice in that context)."""
-        for plan in plans:
-            plan.provisional.clear()
+    def _provisional(self, branches: list[Branch], plans: list[CallPlan]) -> dict[tuple[int, str], str]:
+        """(call, key) -> the unclosed value its branch has so far (the pending token included:
+        it is the target's own choice in that context)."""
+        ahead = {}
         for b in branches:
             if b.call < len(plans) and plans[b.call].tool == b.tool and b.value:
                 ids = b.value + ([b.pending] if b.pending is not None and b.pending not in self.eos else [])
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 if text.startswith(" ") and text.strip():  # the packer writes the space after the colon
-                    plans[b.call].provisional[b.field] = text[1:]
+                    ahead[(b.call, b.field)] = text[1:]
+        return ahead
 
     def _collect(self, branches: list[Branch], plans: list[CallPlan], contexts: SideContexts,
                  done: set[tuple[int, str]]) -> list[Branch]:

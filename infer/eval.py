@@ -153,7 +153,7 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         metrics[dataset] = summarize(launches)
         calls[dataset] = by_calls(launches[0])
         if ec.temperature > 0:  # paper App. C.5: the lossless methods, sampling
-            methods = [m for m in ("ar", "eagle3", "toolspec", "schemafill") if m in ec.methods]
+            methods = [m for m in ec.sampled_methods if m in ec.methods and m != "parallel_fill"]
             hot = dataclasses.replace(cfg.decode, temperature=ec.temperature)
             sampled[dataset] = summarize([launch(dataset, f"temperature_{ec.temperature:g}", methods, hot)])
 

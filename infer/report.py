@@ -12,7 +12,7 @@ from pathlib import Path
 
 ABLATION_STAGES = [  # (method, stage, what it adds) — paper Table 2
     ("schemafill_A", "A", "EAGLE-3 (SchemaFill budget)"),
-    ("schemafill_B", "B", "+ schema-guided MAIN (forecast, structural packing)"),
+    ("schemafill_B", "B", "+ schema-guided MAIN (forecast, structural packing, recycled copies)"),
     ("schemafill_C", "C", "+ SIDE drafting"),
     ("schemafill_D", "D", "+ cross-call packing (full SchemaFill)"),
 ]

@@ -79,7 +79,7 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
             sf = SchemaFill(target, tokenizer, head, eos, max_new,
                             SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
                                              side_depth=d.side_depth, pack_provisional=d.pack_provisional,
-                                             side_optional=d.side_optional))
+                                             side_optional=d.side_optional, copy_len=d.copy_len))
             decoders[m] = lambda r, ids, smp, sf=sf: sf.decode(r, ids, sampler=smp)
         elif m == "toolspec":
             ts = ToolSpec(target, tokenizer, eos, max_new)

@@ -74,8 +74,9 @@ class DecodeConfig:
     side_depth: int = 1  # head-drafted tokens per SIDE branch and round (paper: 1; 0 = the target's token only)
     pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/packer.py)
     side_optional: bool = True  # SIDE branches for optional schema keys too, after the predicted ones
+    copy_len: int = 4  # SchemaFill's MAIN chains recycled from the prompt and the response (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups
-    ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN, C: + SIDE drafting, D: + packing
+    ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
 
 
 @dataclass
@@ -129,8 +130,9 @@ class EvalConfig:
     ablations: bool = True  # Table 2: SchemaFill stages A-C too, on bfcl450 (schemafill itself is D)
     limit: int = 0  # requests per dataset, evenly spread over the file (categories stay balanced); 0 = all
     repeats: int = 1  # timed launches per dataset; TPS is reported as mean ± sample std when > 1
-    warmup: int = 1
-    temperature: float = 1.0  # one more launch of ar/eagle3/schemafill sampling at it (Table 6); 0 = none
+    warmup: int = 1  # untimed requests per method and launch (a GPU's kernels and allocator warm up)
+    temperature: float = 1.0  # one more launch of the sampled methods at it (Table 6); 0 = none
+    sampled_methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "schemafill"])
 
 
 @dataclass

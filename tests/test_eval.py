@@ -47,7 +47,7 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     assert sum(g["ar"]["requests"] for g in by_calls["bfcl450"].values()) == 3
     text = (out / "report.md").read_text()
     sampled = json.loads((out / "sampled.json").read_text())
-    assert sampled["temperature"] == 1.0 and list(sampled["metrics"]["bfcl450"]) == ["ar", "eagle3", "toolspec", "schemafill"]
+    assert sampled["temperature"] == 1.0 and list(sampled["metrics"]["bfcl450"]) == cfg.eval.sampled_methods
     assert sampled["metrics"]["bfcl450"]["ar"]["speedup"] == 1.0
     for title in ("Table 1", "Table 2", "Table 4", "Table 5", "Table 6"):
         assert title in text

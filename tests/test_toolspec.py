@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from infer.decoders.ar import decode_ar
-from infer.decoders.toolspec import RetrievalStore, ToolSpec, recycle
+from infer.decoders.toolspec import RetrievalStore, ToolSpec
+from infer.recycle import recycle
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
 from schemafill.runtime import load_target

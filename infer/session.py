@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.constraint import Constraint
 from infer.sampling import Sampler
 from infer.tree import ancestor_mask, depths, greedy_accept
 from schemafill.runtime import Target
@@ -64,6 +65,7 @@ class MainSession:
     peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
     prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
     sampler: Sampler | None = None  # how MAIN picks its token at each node (None: greedy)
+    constraint: Constraint | None = None  # the response grammar MAIN's choices obey (None: free)
 
     def __post_init__(self) -> None:
         self.side_base = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
@@ -135,17 +137,23 @@ class MainSession:
         self.nodes.append(rows - main_rows + len(tree_tokens))
         side = {s for seg in extra for see in seg.visible for s in see if s >= self.side_base}
         self.peak_rows = max(self.peak_rows, max(slots[:main_rows]) + 1 + len(side))
-        choice = logits.argmax(-1).tolist()  # SIDE nodes are proposals: always greedy
+        choice = logits.argmax(-1).tolist()  # SIDE nodes are proposals: always greedy and free
         first_tree = first + 1  # index of the first MAIN tree node in this call
+        main_logits = logits[: main_rows - first]  # [1 + m, V]: the root and MAIN's tree
+        if self.constraint is not None:  # each node chooses among what the grammar allows after its path
+            allowed = self.constraint.masks(tree_tokens, parents).to(main_logits.device)
+            main_logits = main_logits.masked_fill(~allowed, float("-inf"))
         if self.sampler is None or self.sampler.greedy:
-            main_choice = choice[: main_rows - first]
+            main_choice = main_logits.argmax(-1).tolist()
         else:  # an independent draw at every MAIN node: exact speculative sampling (infer/sampling.py)
-            main_choice = self.sampler.choose(logits[: main_rows - first])
+            main_choice = self.sampler.choose(main_logits)
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
         base = root_slot + 1  # committed MAIN continues right after the root
         self.arena.move(0, [slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])
         new = [tree_tokens[i] for i in accepted] + [correction]
         taken = self.stop.push(new)
+        if self.constraint is not None:
+            self.constraint.advance(new[:taken])
         if prefill:
             self.prompt_aux = f.aux[0, len(self.prompt) - 1]
             self.tokens = list(self.prompt) + new[:taken]

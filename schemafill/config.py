@@ -74,6 +74,7 @@ class DecodeConfig:
     side_depth: int = 1  # head-drafted tokens per SIDE branch and round (paper: 1; 0 = the target's token only)
     pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/packer.py)
     side_optional: bool = True  # SIDE branches for optional schema keys too, after the predicted ones
+    constrain: str = "none"  # none | schema: MAIN's choices obey the response grammar of the request's tools
     copy_len: int = 4  # SchemaFill's MAIN chains recycled from the prompt and the response (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing

@@ -212,3 +212,12 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
     assert len(entries[0]) == len(context) + 1  # every trunk and own entry, then the pending one
     out = side.entries(*entries, want)
     assert torch.allclose(out[0], expected, atol=1e-4)
+
+
+def test_builtin_model_recycled_copies_are_lossless_and_save_calls(base_target):
+    """Values copied from the request: MAIN's recycled chains cut target calls, output unchanged."""
+    target, tok, eos = base_target
+    names = ["one_tool", "repeated"]
+    calls = {n: [out.target_calls for _, _, out in check(target, tok, eos, names, "B", max_new=48, copy_len=n)]
+             for n in (0, 4)}
+    assert sum(calls[4]) < sum(calls[0]), calls

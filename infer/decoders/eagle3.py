@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
+from infer.constraint import Constraint
 from infer.decoders import Decoded
 from infer.sampling import Sampler
 from infer.session import MainSession
@@ -21,8 +22,10 @@ class Drafter(Protocol):
 
 
 def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
-                drafter: Drafter, scratch: int = 64, sampler: Sampler | None = None) -> Decoded:
-    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens), scratch=scratch, sampler=sampler)
+                drafter: Drafter, scratch: int = 64, sampler: Sampler | None = None,
+                constraint: Constraint | None = None) -> Decoded:
+    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens), scratch=scratch, sampler=sampler,
+                    constraint=constraint)
     drafter.start(len(prompt) + max_new_tokens + 1)
     s.prefill()
     while not s.done:

@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.constraint import Constraint
 from infer.decoders import Decoded
 from infer.forecast import forecast_groups, predicted_keys, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
@@ -319,7 +320,8 @@ class SchemaFill:
 
     # ------------------------------------------------------------------ per request
     def decode(self, request: ToolRequest, prompt: list[int], groups: list[int] | None = None,
-               values: dict[tuple[int, str], str] | None = None, sampler: Sampler | None = None) -> Decoded:
+               values: dict[tuple[int, str], str] | None = None, sampler: Sampler | None = None,
+               constraint: Constraint | None = None) -> Decoded:
         """``groups`` (catalog indices, one per call) replaces the BM25 forecast and ``values``
         ((call, key) -> value literal) pre-fills prepared values: for tests and for callers
         who know the call layout. Neither can change the output (or its distribution, with a
@@ -344,7 +346,7 @@ class SchemaFill:
         capacity = (cfg.max_branches * (64 + cfg.max_value_tokens)) if side else 0
         s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
                         scratch=cfg.budget.total + cfg.max_chain + 2 * cfg.copy_len,
-                        side_capacity=capacity, sampler=sampler)
+                        side_capacity=capacity, sampler=sampler, constraint=constraint)
         contexts = SideContexts(tok, len(prompt), s.side_base, capacity)
         self.drafter.start(len(prompt) + self.max_new_tokens + 1, s.side_base + capacity)
         branches: list[Branch] = []

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from infer.constraint import Constraint
 from infer.decoders import Decoded
 from infer.decoders.schemafill import continuation_ids
 from infer.forecast import predicted_keys
@@ -76,14 +77,15 @@ class ToolSpec:
         self.total, self.length = total, length
         self.store = RetrievalStore(k)
 
-    def decode(self, request: ToolRequest, prompt: list[int], sampler: Sampler | None = None) -> Decoded:
+    def decode(self, request: ToolRequest, prompt: list[int], sampler: Sampler | None = None,
+               constraint: Constraint | None = None) -> Decoded:
         tok = self.tokenizer
         times = {"drafting": 0.0, "verification": 0.0}
         plans = {fn["name"]: CallPlan(fn["name"], tuple(predicted_keys(fn)),
                                       tuple(((fn.get("parameters") or {}).get("properties") or {})), {})
                  for fn in request.functions}
         s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
-                        scratch=self.total, sampler=sampler)
+                        scratch=self.total, sampler=sampler, constraint=constraint)
         t = time.perf_counter()
         s.prefill()
         times["verification"] += time.perf_counter() - t

@@ -144,7 +144,7 @@ class MainSession:
             allowed = self.constraint.masks(tree_tokens, parents).to(main_logits.device)
             main_logits = main_logits.masked_fill(~allowed, float("-inf"))
         if self.sampler is None or self.sampler.greedy:
-            main_choice = main_logits.argmax(-1).tolist()
+            main_choice = choice[: main_rows - first] if self.constraint is None else main_logits.argmax(-1).tolist()
         else:  # an independent draw at every MAIN node: exact speculative sampling (infer/sampling.py)
             main_choice = self.sampler.choose(main_logits)
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)

@@ -45,7 +45,7 @@ from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
 
-Decoder = Callable[[ToolRequest, list[int], Sampler, "Constraint | None"], Decoded]
+Decoder = Callable[[ToolRequest, list[int], Sampler, Constraint | None], Decoded]
 
 
 def _tree(target, tokenizer, max_new: int, eos, drafter: HeadDrafter, request: ToolRequest,

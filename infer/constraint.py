@@ -19,6 +19,7 @@ SIDE branches stay unconstrained: they only propose.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import torch
@@ -68,8 +69,6 @@ class SchemaGrammars:
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
     def constraint(self, functions: list[dict]) -> "Constraint":
-        import time
-
         schema = json.dumps(response_schema(functions))  # keys in schema order: the grammar keeps it
         if schema not in self.cache:
             t = time.perf_counter()
@@ -106,9 +105,7 @@ class Constraint:
 
         def walk(parent: int) -> None:
             for i in children.get(parent, []):
-                if not out[0 if parent == ROOT else 1 + parent, tree_tokens[i]]:
-                    continue
-                if not self.matcher.accept_token(tree_tokens[i]):
+                if not self.matcher.accept_token(tree_tokens[i]):  # forbidden here: never accepted
                     continue
                 out[1 + i] = self._allowed()
                 walk(i)

@@ -56,15 +56,70 @@ def response_schema(functions: list[dict]) -> dict:
             "required": ["tool_calls"], "additionalProperties": False}
 
 
+def minimal_value(schema: Any) -> Any:
+    """A shortest value the schema allows (required keys only, empty strings and lists, zeros):
+    roughly what finishing a value that has just begun costs."""
+    if not isinstance(schema, dict):
+        return 0
+    if schema.get("enum"):
+        return min(schema["enum"], key=lambda v: len(json.dumps(v)))
+    if "const" in schema:
+        return schema["const"]
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if kind == "object":
+        props = schema.get("properties") or {}
+        return {k: minimal_value(props.get(k, {})) for k in schema.get("required", [])}
+    if kind == "array":
+        return [minimal_value(schema.get("items") or {}) for _ in range(schema.get("minItems", 0))]
+    return {"string": "", "boolean": False, "null": None}.get(kind, 0)
+
+
+def valid_response(text: str, functions: list[dict]) -> bool:
+    """Whether ``text`` is a complete response that validates against the response schema of
+    ``functions`` (checked by ``jsonschema``, independently of the grammar engine)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), response_schema(functions))
+    except (ValueError, jsonschema.ValidationError):  # json.JSONDecodeError is a ValueError
+        return False
+    return True
+
+
+def scan(state: tuple[bool, bool], piece: bytes) -> tuple[bool, bool]:
+    """(inside a JSON string, after a backslash there) once ``piece`` is appended."""
+    inside, escaped = state
+    for b in piece:
+        if escaped:
+            escaped = False
+        elif inside and b == 0x5C:  # backslash
+            escaped = True
+        elif b == 0x22:  # quote
+            inside = not inside
+    return inside, escaped
+
+
 class SchemaGrammars:
     """Compiled response grammars, one per catalog (requests sharing a catalog share it)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, close_at: int | None = None) -> None:
+        """``close_at``: the response token from which a catalog whose longest call is 0
+        tokens would start closing; each catalog starts earlier by the tokens of its longest
+        minimal call (``minimal_value``), as a call begun just then must still end."""
         import xgrammar as xgr
 
-        self.xgr, self.vocab_size = xgr, vocab_size
+        self.xgr, self.vocab_size, self.close_at, self.tokenizer = xgr, vocab_size, close_at, tokenizer
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.pieces: list[bytes] = list(self.info.decoded_vocab[:vocab_size])
+        # [2, V] closing tokens outside a string (only ']' and '}') and inside one ('"' first,
+        # then only ']' and '}': a '}' inside a string is text, it closes nothing)
+        self.closers = torch.zeros(2, vocab_size, dtype=torch.bool)
+        for i, piece in enumerate(self.pieces):
+            if piece and set(piece) <= set(b'"]}'):
+                self.closers[0, i] = b'"' not in piece
+                self.closers[1, i] = piece[:1] == b'"'
         self.cache: dict[str, Any] = {}
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
@@ -75,47 +130,89 @@ class SchemaGrammars:
             self.cache[schema] = self.compiler.compile_json_schema(schema, any_whitespace=False,
                                                                    separators=(", ", ": "))
             self.compile_seconds.append(time.perf_counter() - t)
-        return Constraint(self.xgr, self.cache[schema], self.vocab_size)
+        close_at = None
+        if self.close_at is not None:
+            calls = [json.dumps({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))},
+                                separators=(", ", ": "), ensure_ascii=False) for fn in functions]
+            longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
+            close_at = max(self.close_at - longest, 0)
+        return Constraint(self.xgr, self.cache[schema], self.pieces, self.closers, close_at)
 
 
 class Constraint:
-    """One request's grammar state: the committed response so far."""
+    """One request's grammar state: the committed response so far.
 
-    def __init__(self, xgr: Any, grammar: Any, vocab_size: int) -> None:
+    From response token ``close_at`` on (``max_new_tokens - decode.close_margin``), wherever
+    the grammar allows a closing token only those are allowed: inside a string, a token that
+    ends it (``"`` first, then only ``]`` and ``}``); outside, one made of ``]`` and ``}``.
+    So a value, list or object that could go on ends as soon as it may, and a target caught
+    in a loop still writes a complete response before the length cap. It is part of the
+    grammar's contract, a function of the prefix like the rest, so every decoder applies it
+    alike.
+    """
+
+    def __init__(self, xgr: Any, grammar: Any, pieces: list[bytes], closers: torch.Tensor,
+                 close_at: int | None = None) -> None:
+        self.vocab_size = len(pieces)
         self.matcher = xgr.GrammarMatcher(grammar, max_rollback_tokens=256)
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
-        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V/32)] int32
+        self.pieces, self.closers, self.close_at = pieces, closers, close_at
         self.shifts = torch.arange(32, dtype=torch.int32)
+        self.count = 0  # response tokens committed
+        self.string = (False, False)  # the committed text ends inside a string / after a backslash in one
 
-    def _allowed(self) -> torch.Tensor:
+    def _allowed(self, index: int, string: tuple[bool, bool]) -> torch.Tensor:
+        """[V] the tokens allowed as response token ``index`` after the matcher's state, which
+        leaves the text inside a string or not (``string``, as ``scan`` tracks it)."""
         self.matcher.fill_next_token_bitmask(self.bitmask)
         bits = (self.bitmask[0, :, None] >> self.shifts) & 1  # [W, 32]
-        return bits.reshape(-1)[: self.vocab_size].bool()  # [V]
+        allowed = bits.reshape(-1)[: self.vocab_size].bool()
+        if self.close_at is not None and index >= self.close_at and not string[1]:
+            closing = allowed & self.closers[int(string[0])]
+            if closing.any():
+                return closing
+        return allowed
 
-    def masks(self, tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """[1 + m, V] allowed tokens after the committed text (row 0) and after each node's
-        path (row 1 + i). A node the grammar forbids can never be accepted; its row and its
-        subtree's are left all-true."""
+    def check(self, tree_tokens: list[int], parents: list[int]) -> tuple[torch.Tensor, list[bool]]:
+        """Which nodes of a draft tree the grammar allows after their path, and the allowed
+        tokens after the committed text (row 0) and after each allowed node's path (row 1 + i),
+        as a [1 + m, V] bool mask. A forbidden node can never be accepted, nor can its
+        subtree: its row (and theirs) is left all-true, and it is reported False."""
         m = len(tree_tokens)
         out = torch.ones(1 + m, self.vocab_size, dtype=torch.bool)
-        out[0] = self._allowed()
-        children: dict[int, list[int]] = {}
+        allowed = [False] * m
+        out[0] = self._allowed(self.count, self.string)
+        kids: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
-            children.setdefault(p, []).append(i)
+            kids.setdefault(p, []).append(i)
 
-        def walk(parent: int) -> None:
-            for i in children.get(parent, []):
-                if not self.matcher.accept_token(tree_tokens[i]):  # forbidden here: never accepted
+        def walk(parent: int, row: int, depth: int, string: tuple[bool, bool]) -> None:
+            for i in kids.get(parent, []):
+                # the row says what the (possibly closing) grammar allows; the matcher must agree
+                if not out[row, tree_tokens[i]] or not self.matcher.accept_token(tree_tokens[i]):
                     continue
-                out[1 + i] = self._allowed()
-                walk(i)
+                allowed[i] = True
+                inner = scan(string, self.pieces[tree_tokens[i]])
+                out[1 + i] = self._allowed(self.count + depth, inner)
+                walk(i, 1 + i, depth + 1, inner)
                 self.matcher.rollback(1)
 
-        walk(ROOT)
-        return out
+        walk(ROOT, 0, 1, self.string)
+        return out, allowed
+
+    def next_allowed(self) -> torch.Tensor:
+        """[V] the tokens allowed after the committed text."""
+        return self._allowed(self.count, self.string)
+
+    def forced(self) -> int | None:
+        """The one token the grammar allows next, if it allows exactly one."""
+        allowed = self.next_allowed()
+        return int(allowed.nonzero()[0]) if int(allowed.sum()) == 1 else None
 
     def advance(self, tokens: list[int]) -> None:
-        """Commit tokens the masked target chose."""
+        """Commit tokens the masked target chose (or the grammar forced)."""
         for t in tokens:
             if not self.matcher.accept_token(t):
                 raise RuntimeError(f"token {t} violates the response grammar: the mask was not applied")
+            self.count += 1
+            self.string = scan(self.string, self.pieces[t])

@@ -12,7 +12,8 @@ and writes ``artifacts/eval/<model>/``:
   tokens, target_calls, seconds, requests, nodes_per_verify, kv_rows, ...}}}``;
 * ``by_calls.json`` — the same per number of calls in AR's response (1, 2, 3, 4+);
 * ``sampled.json`` — AR, EAGLE-3, ToolSpec and SchemaFill at ``eval.temperature`` (paper App. C.5);
-* ``report.md`` with Tables 1–5 and ``plots/*.png``; the same tables, plots and the report
+* ``constrained.json`` — ``eval.constrained_methods`` free and with ``decode.constrain=schema``;
+* ``report.md`` with Tables 1–7 and ``plots/*.png``; the same tables, plots and the report
   go to W&B.
 
 Each finished launch is kept in a work folder, so an interrupted stage resumes at the next
@@ -147,6 +148,9 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         return rows
 
     sampled: dict[str, dict] = {}
+    compared: dict[str, dict] = {}  # Table 7: {dataset: {"none"|"schema": metrics}}
+    mode = cfg.decode.constrain
+    other = "none" if mode == "schema" else "schema"
     for dataset in present:
         launches = [launch(dataset, f"launch_{rep}", methods_for(cfg, dataset), cfg.decode)
                     for rep in range(ec.repeats)]
@@ -156,6 +160,11 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
             methods = [m for m in ec.sampled_methods if m in ec.methods and m != "parallel_fill"]
             hot = dataclasses.replace(cfg.decode, temperature=ec.temperature)
             sampled[dataset] = summarize([launch(dataset, f"temperature_{ec.temperature:g}", methods, hot)])
+        methods = [m for m in ec.constrained_methods if m in ec.methods and m != "parallel_fill"]
+        if methods:  # the same requests with the response grammar on (or off, when the main launch had it)
+            flipped = dataclasses.replace(cfg.decode, constrain=other)
+            compared[dataset] = {mode: {m: v for m, v in metrics[dataset].items() if m in methods},
+                                 other: summarize([launch(dataset, f"constrain_{other}", methods, flipped)])}
 
     device = resolve_device()
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -164,8 +173,9 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         atomic.write_json(tmp / "metrics.json", metrics)
         atomic.write_json(tmp / "by_calls.json", calls)
         atomic.write_json(tmp / "sampled.json", {"temperature": ec.temperature, "metrics": sampled})
+        atomic.write_json(tmp / "constrained.json", compared)
         tables, plots = write_report(tmp, cfg.run_name, metrics, calls, per_row, str(dtype).replace("torch.", ""),
-                                     sampled, ec.temperature)
+                                     sampled, ec.temperature, compared)
         write_manifest(tmp, fp, stage="eval", target=location, head=str(head))
     shutil.rmtree(work.parent, ignore_errors=True)
     summary = write_summary(out.parent)
@@ -184,7 +194,8 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
 
 
 def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per_row: int,
-                 dtype: str, sampled: dict | None = None, temperature: float = 0.0) -> tuple[dict, list[str]]:
+                 dtype: str, sampled: dict | None = None, temperature: float = 0.0,
+                 compared: dict | None = None) -> tuple[dict, list[str]]:
     """report.md and plots/*.png in ``folder``; returns the tables and plot names."""
     tables = {"table1_end_to_end": report.table1(metrics)}
     lines = [f"# SchemaFill evaluation — `{model}`", "",
@@ -218,6 +229,16 @@ def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per
                   "Exact speculative sampling (the target's choice at each verified node is a fresh draw; drafts "
                   "stay greedy); AR agreement does not apply to samples.", "",
                   report.markdown(*tables["table6_sampled"]), ""]
+    if compared:
+        tables["table7_constrained"] = report.table7(compared)
+        lines += ["## Table 7 — free vs schema-constrained decoding", "",
+                  "`decode.constrain=schema`: the target chooses only tokens the request's response grammar allows "
+                  "(xgrammar), so every response is a valid call of the request's tools. Valid calls = outputs that "
+                  "parse and validate against that schema (checked with `jsonschema`). Forced tokens, where the "
+                  "grammar allows one token only, are committed without a target decision: *AL* counts them, "
+                  "*AL w/o forced* does not. Speedup is over AR in the same mode; *TPS vs free* is each "
+                  "constrained method against its own free run.", "",
+                  report.markdown(*tables["table7_constrained"]), ""]
     lines += ["## Plots", ""]
     shown = {k: v for k, v in m.items() if v["accept_length"] is not None}
     report.bar_plot({k: v["accept_length"] for k, v in shown.items()}, "accept length", f"AL per method ({main})",

@@ -81,25 +81,34 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
-        """tokens: prompt + committed (last one pending); new_aux: [M, 3H] target features of
-        the M newest committed positions (those the head has not seen)."""
+        """tokens: prompt + committed (the last ones pending: their target features do not
+        exist yet); new_aux: [M, 3H] target features of the M newest positions that have them
+        (those the head has not seen). The tree hangs off the last pending token."""
         head, dev, b = self.head, self.device, self.budget
         h, m = self.done, new_aux.shape[0]
-        n = h + m  # positions with target features; the pending token sits at position n
-        if n != len(tokens) - 1:
-            raise ValueError(f"features for {n} positions but {len(tokens) - 1} committed tokens")
+        n = h + m  # positions with target features; the first pending token sits at position n
+        if not n < len(tokens):
+            raise ValueError(f"features for {n} positions but only {len(tokens) - 1} committed tokens")
         pos = torch.arange(h, n, device=dev)[None]  # [1, M]
         visible = causal_visibility(pos, n)  # [1, M, n]
         hidden = head.fc(new_aux.to(head.fc.weight.dtype))[None]  # [1, M, H]
         out = head.decode_step(torch.tensor(tokens[h + 1:n + 1], device=dev)[None], hidden, pos, visible, pos,
                                self.arena)
         self.done = n
+        root_out = out[0, -1]  # [H]
+        # pending tokens the grammar forced have no target features: the head reads them the
+        # way it reads its own drafts (its previous output as the feature), in scratch slots
+        # the next catch-up overwrites
+        for q in range(n, len(tokens) - 1):
+            step = torch.tensor([[q]], device=dev)
+            root_out = head.decode_step(torch.tensor([[tokens[q + 1]]], device=dev), root_out[None, None], step,
+                                        causal_visibility(step, q + 1), step, self.arena)[0, -1]
+        n = len(tokens) - 1  # the tree's root: the last pending token
 
         # candidates: token, parent, cumulative log-prob; fed nodes get a scratch slot and an output
         tok, parent, score = [], [], []
         fed_slot: dict[int, int] = {}
         out_of: dict[int, torch.Tensor] = {}  # node -> its output hidden once fed
-        root_out = out[0, -1]  # [H]
 
         def expand(parents_: list[int], outs: torch.Tensor, base: list[float]) -> list[int]:
             logp = torch.log_softmax(head.logits(outs).float(), dim=-1)  # [F, Vd]

@@ -117,6 +117,32 @@ def table6(sampled: dict[str, dict[str, dict]]) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
+def table7(compared: dict[str, dict[str, dict[str, dict]]]) -> tuple[list[str], list[list]]:
+    """Free vs schema-constrained decoding (``{dataset: {"none"|"schema": {method: metrics}}}``):
+    valid calls, AL with and without forced tokens, TPS, speedup over AR in the same mode,
+    and the TPS ratio of each constrained method to its free self."""
+    columns = ["Dataset", "Method", "Decoding", "Valid calls (%)", "AL", "AL w/o forced", "E2E TPS",
+               "Speedup vs AR", "TPS vs free", "Agrees with AR (%)"]
+    rows = []
+    for d, modes in compared.items():
+        free = modes.get("none", {})
+        for method in free.keys() | modes.get("schema", {}).keys():
+            for mode in ("none", "schema"):
+                m = modes.get(mode, {}).get(method)
+                if m is None:
+                    continue
+                base = free.get(method, {}).get("tps")
+                rows.append([d, method, "free" if mode == "none" else "schema",
+                             None if m.get("valid_rate") is None else f"{100 * m['valid_rate']:.1f}",
+                             _num(m["accept_length"]), _num(m.get("decided_al")), _tps(m),
+                             None if m.get("speedup") is None else f"{m['speedup']:.2f}×",
+                             f"{m['tps'] / base:.2f}×" if base and mode == "schema" else None,
+                             None if m.get("ar_agreement") is None else f"{100 * m['ar_agreement']:.1f}"])
+    order = {"ar": 0, "eagle3": 1, "toolspec": 2, "schemafill": 3}
+    rows.sort(key=lambda r: (r[0], order.get(r[1], 9), r[1], r[2]))
+    return columns, rows
+
+
 def bar_plot(values: dict[str, float], ylabel: str, title: str, path: Path) -> Path:
     import matplotlib
 

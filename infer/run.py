@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from infer.constraint import Constraint, SchemaGrammars
+from infer.constraint import Constraint, SchemaGrammars, valid_response
 from infer.decoders import Decoded
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
@@ -102,7 +102,13 @@ def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
     for r in rows:
         for k, v in r["times"].items():
             times[k] = times.get(k, 0.0) + v
-    return {"accept_length": tokens / calls if calls else None, "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
+    forced = sum(r.get("forced", 0) for r in rows)
+    return {"accept_length": tokens / calls if calls else None,
+            # forced tokens cost no target decision: AL without them counts only what the target chose
+            "decided_al": (tokens - forced) / calls if calls else None, "forced": forced,
+            "pruned": sum(r.get("pruned", 0) for r in rows),
+            "valid_rate": sum(r["valid"] for r in rows) / len(rows) if rows and "valid" in rows[0] else None,
+            "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
             "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
             "nodes_per_verify": sum(verifies) / max(len(verifies), 1),
             "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),
@@ -145,13 +151,14 @@ def run(cfg: InferConfig) -> dict:
     outputs: dict[str, list[dict]] = {}
     ar_outputs: dict[str, dict] = {}
     decoders = build_decoders(cfg, target, tokenizer, eos, ar_outputs)
+    d_cfg = cfg.decode
     if cfg.decode.constrain not in ("none", "schema"):
         raise ValueError(f"decode.constrain must be none or schema, got {cfg.decode.constrain!r}")
     # compiled once per catalog, before any timing; Parallel Fill is not constrained
-    grammars = SchemaGrammars(tokenizer, target.config.vocab_size) if cfg.decode.constrain == "schema" else None
+    close_at = d_cfg.max_new_tokens - d_cfg.close_margin if d_cfg.close_margin else None
+    grammars = SchemaGrammars(tokenizer, target.config.vocab_size, close_at) if d_cfg.constrain == "schema" else None
     constraints = (lambda r: grammars.constraint(r.functions)) if grammars else (lambda r: None)
     out = Path(cfg.out)
-    d_cfg = cfg.decode
     for method, decode in decoders.items():
         for r in kept[: cfg.warmup]:
             decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs),
@@ -167,7 +174,8 @@ def run(cfg: InferConfig) -> dict:
             seconds = time.perf_counter() - t0
             rows.append({"id": r.id, "sample": k, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
                          "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
-                         "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows})
+                         "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows,
+                         "forced": d.forced, "pruned": d.pruned, "valid": valid_response(d.text, r.functions)})
         outputs[method] = rows
         if method == "ar":
             ar_outputs.update((row["id"], row) for row in rows)
@@ -183,12 +191,13 @@ def run(cfg: InferConfig) -> dict:
     atomic.write_jsonl(out / "skipped.jsonl", skipped)
     atomic.write_json(out / "metrics.json", metrics)
     ar_tps = metrics.get("ar", {}).get("tps")
-    print(f"{'method':<13} {'AL':>6} {'TPS':>8} {'×AR':>6} {'agree':>6} {'nodes':>6}")
+    print(f"{'method':<13} {'AL':>6} {'TPS':>8} {'×AR':>6} {'agree':>6} {'nodes':>6} {'valid':>6} {'forced':>6}")
     for m, v in metrics.items():
         ratio = f"{v['tps'] / ar_tps:6.2f}" if ar_tps else "     -"
         agree = f"{v['ar_agreement']:6.3f}" if v["ar_agreement"] is not None else "     -"
         al = f"{v['accept_length']:6.2f}" if v["accept_length"] is not None else "     -"
-        print(f"{m:<13} {al} {v['tps']:8.1f} {ratio} {agree} {v['nodes_per_verify']:6.1f}")
+        print(f"{m:<13} {al} {v['tps']:8.1f} {ratio} {agree} {v['nodes_per_verify']:6.1f} {v['valid_rate']:6.2f} "
+              f"{v['forced']:6d}")
     print(f"[infer] wrote {out / 'metrics.json'}")
     if grammars is not None:
         ms = sorted(1e3 * t for t in grammars.compile_seconds)

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.constraint import Constraint
+from infer.decoders import Decoded
 from infer.sampling import Sampler
-from infer.tree import ancestor_mask, depths, greedy_accept
+from infer.tree import ancestor_mask, depths, greedy_accept, prune
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 
@@ -66,6 +67,8 @@ class MainSession:
     prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
     sampler: Sampler | None = None  # how MAIN picks its token at each node (None: greedy)
     constraint: Constraint | None = None  # the response grammar MAIN's choices obey (None: free)
+    forced: int = 0  # response tokens the grammar allowed alone (the ones after a verification need no target decision)
+    pruned: int = 0  # draft nodes the grammar ruled out before verification
 
     def __post_init__(self) -> None:
         self.side_base = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
@@ -84,34 +87,70 @@ class MainSession:
     def response(self) -> list[int]:
         return list(self.stop.ids)
 
+    def decoded(self, **extra) -> Decoded:
+        """What the decoder returns: the response and this session's counters."""
+        return Decoded(ids=self.response, text=self.stop.text, stop=self.stop.reason, target_calls=self.target_calls,
+                       nodes=self.nodes, kv_rows=self.peak_rows, forced=self.forced, pruned=self.pruned, **extra)
+
     def prefill(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Verified:
         """The prompt, optionally with a MAIN tree hanging off its last token and extra
         segments, in one target call; commits the greedy path and the first correction."""
         p = len(self.prompt)
-        tree_tokens, parents = list(tree_tokens), list(parents)
+        tree_tokens, parents, index, allowed = self._admit(list(tree_tokens), list(parents))
         pos = list(range(p)) + [p - 1 + d for d in depths(parents)]
         visible = torch.zeros(p + len(tree_tokens), p + len(tree_tokens), dtype=torch.bool)
         visible[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
         visible[p:, :p] = True
         visible[p:, p:] = ancestor_mask(parents)
         return self._run(self.prompt + tree_tokens, pos, list(range(p + len(tree_tokens))), visible, p - 1,
-                         tree_tokens, parents, extra, prefill=True)
+                         tree_tokens, parents, index, allowed, extra, prefill=True)
 
     def verify(self, tree_tokens: list[int], parents: list[int], extra: list[Segment] = ()) -> Verified:
-        """One target call over the pending root plus a MAIN draft tree (and extra segments)."""
+        """One target call over the pending tokens plus a MAIN draft tree hanging off the last
+        of them (and extra segments). Pending is one token (the last correction), and more
+        when the grammar forced tokens after it: they go in as a chain."""
         if len(tree_tokens) > self.scratch:
             raise ValueError(f"a tree of {len(tree_tokens)} nodes exceeds the session's scratch of {self.scratch}")
+        tree_tokens, parents, index, allowed = self._admit(list(tree_tokens), list(parents))
         n, m = self.n_kv, len(tree_tokens)
-        pos = [n] + [n + d for d in depths(parents)]
-        visible = torch.zeros(1 + m, n + 1 + m, dtype=torch.bool)
-        visible[:, : n + 1] = True  # committed rows and the root
-        visible[1:, n + 1:] = ancestor_mask(parents)
-        return self._run([self.pending] + tree_tokens, pos, list(range(n, n + 1 + m)), visible, n,
-                         tree_tokens, parents, extra, prefill=False)
+        chain = self.tokens[n:]  # [L] committed, KV not yet computed; the last is the tree's root
+        L = len(chain)
+        pos = list(range(n, n + L)) + [n + L - 1 + d for d in depths(parents)]
+        visible = torch.zeros(L + m, n + L + m, dtype=torch.bool)
+        visible[:, :n] = True  # committed rows
+        visible[:L, n:n + L] = torch.ones(L, L, dtype=torch.bool).tril()
+        visible[L:, n:n + L] = True
+        visible[L:, n + L:] = ancestor_mask(parents)
+        return self._run(chain + tree_tokens, pos, list(range(n, n + L + m)), visible, n + L - 1,
+                         tree_tokens, parents, index, allowed, extra, prefill=False)
+
+    def _admit(self, tree_tokens: list[int], parents: list[int]) -> tuple[list[int], list[int], list[int],
+                                                                          torch.Tensor | None]:
+        """Drop draft nodes the grammar forbids (and their subtrees) before they cost a row.
+        Returns the kept tree, the original index of each kept node, and the allowed tokens
+        [1 + m, V] after the root and after each kept node (None when unconstrained)."""
+        if self.constraint is None:
+            return tree_tokens, parents, list(range(len(tree_tokens))), None
+        allowed, ok = self.constraint.check(tree_tokens, parents)
+        index, parents = prune(parents, ok)
+        self.pruned += len(tree_tokens) - len(index)
+        return [tree_tokens[i] for i in index], parents, index, allowed[[0] + [1 + i for i in index]]
+
+    def _force(self) -> None:
+        """Commit the tokens the grammar allows alone, with no target decision: every decoder
+        would choose them, so they only cost a row in the next call (as pending tokens)."""
+        while self.constraint is not None and not self.done:
+            t = self.constraint.forced()
+            if t is None or not self.stop.push([t]):
+                return
+            self.constraint.advance([t])
+            self.tokens.append(t)
+            self.forced += 1
 
     def _run(self, tokens: list[int], positions: list[int], slots: list[int], visible: torch.Tensor, root_slot: int,
-             tree_tokens: list[int], parents: list[int], extra: list[Segment], prefill: bool) -> Verified:
-        """Append the extra segments, run the target once, commit MAIN's greedy path."""
+             tree_tokens: list[int], parents: list[int], index: list[int], allowed: torch.Tensor | None,
+             extra: list[Segment], prefill: bool) -> Verified:
+        """Append the extra segments, run the target once, commit MAIN's chosen path."""
         main_rows, width = visible.shape
         span = max([width] + [max(see) + 1 for seg in extra for see in seg.visible])
         rows = main_rows + sum(len(seg.tokens) for seg in extra)
@@ -140,11 +179,10 @@ class MainSession:
         choice = logits.argmax(-1).tolist()  # SIDE nodes are proposals: always greedy and free
         first_tree = first + 1  # index of the first MAIN tree node in this call
         main_logits = logits[: main_rows - first]  # [1 + m, V]: the root and MAIN's tree
-        if self.constraint is not None:  # each node chooses among what the grammar allows after its path
-            allowed = self.constraint.masks(tree_tokens, parents).to(main_logits.device)
-            main_logits = main_logits.masked_fill(~allowed, float("-inf"))
+        if allowed is not None:  # each node chooses among what the grammar allows after its path
+            main_logits = main_logits.masked_fill(~allowed.to(main_logits.device), float("-inf"))
         if self.sampler is None or self.sampler.greedy:
-            main_choice = choice[: main_rows - first] if self.constraint is None else main_logits.argmax(-1).tolist()
+            main_choice = choice[: main_rows - first] if allowed is None else main_logits.argmax(-1).tolist()
         else:  # an independent draw at every MAIN node: exact speculative sampling (infer/sampling.py)
             main_choice = self.sampler.choose(main_logits)
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
@@ -154,18 +192,23 @@ class MainSession:
         taken = self.stop.push(new)
         if self.constraint is not None:
             self.constraint.advance(new[:taken])
+            # a token the grammar allowed alone counts as forced however it was committed, so
+            # AL without forced tokens means the same for every decoder
+            rows = allowed[[0] + [1 + i for i in accepted]][:taken]  # [taken, V]
+            self.forced += int((rows.sum(-1) == 1).sum())
         if prefill:
             self.prompt_aux = f.aux[0, len(self.prompt) - 1]
             self.tokens = list(self.prompt) + new[:taken]
             self.new_aux = f.aux[0, list(range(len(self.prompt))) + [first_tree + i for i in accepted]]
         else:
             self.tokens += new[:taken]
-            self.new_aux = f.aux[0, [0] + [1 + i for i in accepted]]  # [1+A, 3H]
+            self.new_aux = f.aux[0, list(range(first_tree)) + [first_tree + i for i in accepted]]  # [L+A, 3H]
         self.n_kv = base + len(accepted)
+        self._force()
         extra_choices, extra_aux, r = [], [], main_rows
         for seg in extra:
             extra_choices.append(choice[r - first:r - first + len(seg.tokens)])
             extra_aux.append(f.aux[0, r:r + len(seg.tokens)])
             r += len(seg.tokens)
-        return Verified(accepted=accepted, correction=correction, committed=taken, extra_choices=extra_choices,
-                        extra_aux=extra_aux)
+        return Verified(accepted=[index[i] for i in accepted], correction=correction, committed=taken,
+                        extra_choices=extra_choices, extra_aux=extra_aux)

@@ -109,3 +109,21 @@ def merge(trees: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int
                 out_parents.append(parent)
             mapped.append(index[key])
     return out_tokens, out_parents
+
+
+def prune(parents: list[int], keep: list[bool]) -> tuple[list[int], list[int]]:
+    """The subtree of nodes that are kept and whose ancestors are all kept.
+
+    Returns (index, new_parents): ``index[j]`` is the original node of new node j, and
+    ``new_parents`` the parent list over the new numbering (still topological).
+    """
+    check_parents(parents)
+    new_of: dict[int, int] = {ROOT: ROOT}
+    index: list[int] = []
+    new_parents: list[int] = []
+    for i, p in enumerate(parents):
+        if keep[i] and p in new_of:
+            new_of[i] = len(index)
+            index.append(i)
+            new_parents.append(new_of[p])
+    return index, new_parents

@@ -75,6 +75,7 @@ class DecodeConfig:
     pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/packer.py)
     side_optional: bool = True  # SIDE branches for optional schema keys too, after the predicted ones
     constrain: str = "none"  # none | schema: MAIN's choices obey the response grammar of the request's tools
+    close_margin: int = 64  # constrained: this many tokens before max_new_tokens, close whatever may close (0 = off)
     copy_len: int = 4  # SchemaFill's MAIN chains recycled from the prompt and the response (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
@@ -134,6 +135,8 @@ class EvalConfig:
     warmup: int = 1  # untimed requests per method and launch (a GPU's kernels and allocator warm up)
     temperature: float = 1.0  # one more launch of the sampled methods at it (Table 6); 0 = none
     sampled_methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "schemafill"])
+    constrained_methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "schemafill"])  # one more
+    # launch with decode.constrain=schema (Table 7: what constraining costs or gains); [] = none
 
 
 @dataclass

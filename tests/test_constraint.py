@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.constraint import SchemaGrammars, json_schema, response_schema
+from infer.constraint import SchemaGrammars, json_schema, minimal_value, response_schema, valid_response
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
@@ -17,7 +17,8 @@ from schemafill.parser import parse_prefix
 from schemafill.prompt import prompt_ids
 from schemafill.runtime import load_target
 from schemafill.toolcall import parse_response
-from tests.test_schemafill import WEATHER, random_head, request
+from tests.conftest import tiny_llama
+from tests.test_schemafill import WEATHER, base_target, random_head, request  # noqa: F401 (a fixture)
 
 
 def test_json_schema_drops_unknown_types_but_keeps_a_parameter_named_type():
@@ -35,7 +36,8 @@ def test_masks_follow_the_tree_and_leave_forbidden_nodes_open(smol_tokenizer):
     bad = tok("hello", add_special_tokens=False).input_ids[0]
     tokens = legal + [bad]
     parents = [i - 1 if i else ROOT for i in range(len(legal))] + [ROOT]  # "hello" is a sibling of "{"
-    masks = c.masks(tokens, parents)
+    masks, ok = c.check(tokens, parents)
+    assert ok == [True] * len(legal) + [False]
     assert masks.shape == (1 + len(tokens), len(tok))
     assert masks[0, legal[0]] and not masks[0, bad]
     assert masks[-1].all()  # a node the grammar forbids can never be accepted: no constraint below it
@@ -44,7 +46,7 @@ def test_masks_follow_the_tree_and_leave_forbidden_nodes_open(smol_tokenizer):
     assert after[name] and not after[bad] and after.sum() < len(tok) // 100
     assert grammars.constraint([WEATHER["function"]]) is not None and len(grammars.compile_seconds) == 1  # cached
     c.advance(legal)  # the matcher's state did not move while masking
-    assert c._allowed()[name]
+    assert c.next_allowed()[name] and c.count == len(legal)
 
 
 def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target):
@@ -73,3 +75,133 @@ def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target)
         }
         for method, out in outs.items():
             assert out.ids == ar.ids, (name, method, ar.text, out.text)
+
+
+def closing_tokens(tok) -> torch.Tensor:
+    """[2, V] closing tokens outside a string (only ']' and '}') and inside one (a '"' first),
+    found by decoding each token, independently of the module's xgrammar-based table."""
+    texts = [tok.decode([i]) for i in range(len(tok))]
+    ok = [bool(s) and set(s) <= set('"]}') for s in texts]
+    return torch.tensor([[o and '"' not in s for o, s in zip(ok, texts)], [o and s[:1] == '"' for o, s in zip(ok, texts)]])
+
+
+def inside_string(text: str) -> bool:
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif inside and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside and not escaped
+
+
+def test_closing_mode_allows_only_closers_where_the_grammar_has_one(smol_tokenizer):
+    tok = smol_tokenizer
+    prefix = tok('{"tool_calls": [', add_special_tokens=False).input_ids
+    call = tok('{"', add_special_tokens=False).input_ids[0]
+    grammars = SchemaGrammars(tok, len(tok), close_at=0)
+    late = grammars.constraint([WEATHER["function"]])
+    late.close_at = len(prefix) + 1  # closing from the token after the next one
+    late.advance(prefix)
+    assert late.next_allowed()[call]  # not yet closing: a call may start
+    masks, ok = late.check([call, tok("]", add_special_tokens=False).input_ids[0]], [ROOT, ROOT])
+    assert ok == [True, True]
+    outside, inside = closing_tokens(tok)
+    after_call = masks[1]  # in the key after '{"' at the closing index: no closer fits, so no restriction
+    assert after_call.any() and not (after_call & inside).any()
+    early = grammars.constraint([WEATHER["function"]])  # closing from the start
+    early.advance(prefix)
+    row = early.next_allowed()
+    assert not row[call] and row.any() and not (row & ~outside).any()  # only "]"-like tokens: the list ends
+    assert early.check([call], [ROOT])[1] == [False]  # a call start is pruned, though the grammar allows it
+    into = tok('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Par', add_special_tokens=False).input_ids
+    early = grammars.constraint([WEATHER["function"]])
+    early.advance(into)
+    row = early.next_allowed()
+    assert row.any() and not (row & ~inside).any()  # inside a string: only tokens that end it
+
+
+def masked_greedy(model, tok, grammar, prompt: list[int], steps: int, close_at: int) -> list[int]:
+    """The reference: a full-sequence transformers forward per token, a fresh xgrammar matcher,
+    closers found by decoding, string state from the decoded text; no arena, no tree, no
+    forced-token shortcut."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(grammar)
+    closers = closing_tokens(tok)
+    bitmask = xgr.allocate_token_bitmask(1, len(tok))
+    ids: list[int] = []
+    for step in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, -1, : len(tok)].clone()
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = torch.tensor([bool(bitmask[0, i // 32] >> (i % 32) & 1) for i in range(len(tok))])
+        closing = allowed & closers[int(inside_string(tok.decode(ids)))]
+        if step >= close_at and closing.any():
+            allowed = closing
+        t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        assert matcher.accept_token(t)
+        ids.append(t)
+    return ids
+
+
+def test_constrained_ar_equals_a_plain_masked_greedy_loop_and_forced_tokens_save_calls(smol_tokenizer, tmp_path):
+    tok = smol_tokenizer
+    model = tiny_llama(seed=4, num_hidden_layers=4)  # this one starts a call (seed 3 writes no call)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    target = load_target(tmp_path, torch.float32, torch.device("cpu"), [1, 2, 3])
+    eos = frozenset({tok.eos_token_id})
+    grammars = SchemaGrammars(tok, target.config.vocab_size, close_at=64)
+    req = request("bm25")
+    ids = prompt_ids(req, "plain", tok)
+    constraint = grammars.constraint(req.functions)
+    # closing starts earlier by the catalog's longest minimal call (book_flight's, ~25 tokens);
+    # the model spells the header a character at a time (37 tokens), so that is inside the call
+    assert 30 < constraint.close_at < 40
+    ar = decode_ar(target, tok, ids, 64, eos, constraint=constraint)
+    schema = grammars.cache[next(iter(grammars.cache))]
+    assert ar.ids == masked_greedy(model, tok, schema, ids, len(ar.ids), close_at=constraint.close_at)
+    assert ar.forced > 5 and ar.target_calls == len(ar.ids) - ar.forced  # a forced token needs no call
+    assert ar.stop == "closed" and valid_response(ar.text, req.functions), ar.text  # closed before the cap
+
+
+def test_minimal_value_is_the_shortest_the_schema_allows():
+    schema = {"type": "object", "required": ["a", "b", "c", "d"], "properties": {
+        "a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+        "c": {"type": "string", "enum": ["long", "x"]}, "d": {"type": "object", "required": ["e"],
+                                                            "properties": {"e": {"type": "boolean"}}},
+        "optional": {"type": "string"}}}
+    assert minimal_value(schema) == {"a": "", "b": [0, 0], "c": "x", "d": {"e": False}}
+
+
+def test_valid_response_checks_the_schema_not_just_json():
+    fn = [WEATHER["function"]]
+    good = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}]}'
+    assert valid_response(good, fn)
+    assert not valid_response(good.replace('"C"', '"K"'), fn)  # outside the enum
+    assert not valid_response(good.replace('"city": "Oslo", ', ""), fn)  # a required key missing
+    assert not valid_response(good.replace("get_weather", "get_time"), fn)  # not in the catalog
+    assert not valid_response(good[:-2], fn)  # unclosed
+
+
+def test_builtin_model_every_decoder_equals_constrained_ar_and_every_output_validates(base_target):
+    target, tok, eos = base_target
+    grammars = SchemaGrammars(tok, target.config.vocab_size, close_at=48)  # closing from ~token 21
+    head = random_head(target)
+    sf = SchemaFill(target, tok, head, eos, 48, SchemaFillConfig(budget=SCHEMAFILL_BUDGET))
+    for name in ("bm25", "repeated"):
+        req = request(name)
+        ids = prompt_ids(req, "plain", tok)
+        ar = decode_ar(target, tok, ids, 48, eos, constraint=grammars.constraint(req.functions))
+        assert valid_response(ar.text, req.functions), ar.text
+        eagle = decode_tree(target, tok, ids, 48, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
+                            scratch=SCHEMAFILL_BUDGET.total, constraint=grammars.constraint(req.functions))
+        full = sf.decode(req, ids, constraint=grammars.constraint(req.functions))
+        for method, out in (("eagle3", eagle), ("schemafill", full)):
+            assert out.ids == ar.ids, (name, method, ar.text, out.text)
+            assert out.forced == ar.forced  # a property of the output, whoever decoded it
+            assert out.pruned > 0  # the grammar ruled out some drafts before they cost a row
+        assert full.target_calls < ar.target_calls

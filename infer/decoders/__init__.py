@@ -18,3 +18,5 @@ class Decoded:
     init_nodes: int = 0  # tree nodes verified with the prompt (SchemaFill's initialisation)
     times: dict[str, float] = field(default_factory=dict)  # seconds by phase, where a decoder splits them
     kv_rows: int = 0  # peak target KV rows holding live data (prompt, committed, tree, SIDE); 0 = not measured
+    forced: int = 0  # response tokens the grammar forced (decode.constrain=schema): no target decision
+    pruned: int = 0  # draft nodes the grammar ruled out before verification

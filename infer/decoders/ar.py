@@ -20,5 +20,4 @@ def decode_ar(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens:
     s.prefill()
     while not s.done:
         s.verify([], [])
-    return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls, nodes=s.nodes,
-                   kv_rows=s.peak_rows)
+    return s.decoded()

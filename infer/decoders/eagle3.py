@@ -31,5 +31,4 @@ def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_token
     while not s.done:
         tokens, parents = drafter.draft(s.tokens, s.new_aux)
         s.verify(tokens, parents)
-    return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls, nodes=s.nodes,
-                   kv_rows=s.peak_rows)
+    return s.decoded()

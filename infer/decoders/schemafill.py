@@ -438,8 +438,7 @@ class SchemaFill:
                 branches = self._collect(branches, plans, contexts, prepared_keys)
             times["other"] += time.perf_counter() - t
 
-        return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls,
-                       nodes=s.nodes, init_nodes=init_nodes, times=times, kv_rows=s.peak_rows)
+        return s.decoded(init_nodes=init_nodes, times=times)
 
     # ------------------------------------------------------------------ plans
     @staticmethod

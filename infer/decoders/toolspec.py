@@ -99,8 +99,7 @@ class ToolSpec:
             s.verify(tokens, parents)
             times["verification"] += time.perf_counter() - t
         self.store.add(request.id, summary, s.response)
-        return Decoded(ids=s.response, text=s.stop.text, stop=s.stop.reason, target_calls=s.target_calls,
-                       nodes=s.nodes, times=times, kv_rows=s.peak_rows)
+        return s.decoded(times=times)
 
     def _tree(self, s: MainSession, plans: dict[str, CallPlan], sources: list[list[int]]) -> tuple[list, list]:
         text, state = s.stop.parsed_text, s.stop.parser.state

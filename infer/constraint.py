@@ -13,7 +13,19 @@ grammar fixes the order the targets are trained to write.
 ``MainSession`` masks the target's logits with these sets before it chooses at each MAIN
 node, so every speculative decoder's output equals constrained AR's (greedy), or follows
 the constrained distribution (sampling), by the same argument as without constraints.
-SIDE branches stay unconstrained: they only propose.
+Around that choice:
+
+* draft nodes the grammar forbids after their path (drafts, bridges, packed SIDE values
+  alike) are pruned before verification: they could never be accepted;
+* a token the grammar allows alone is *forced*: after each verification the session
+  commits forced tokens at once, with no target decision, and counts every forced token of
+  the response (however it was committed) so AL can be reported without them;
+* near the length cap the grammar closes what may close (``Constraint``), so a target
+  caught in a loop still ends with a complete response.
+
+SIDE branches stay unconstrained: they only propose, and what they prepare meets the
+grammar when it is packed into MAIN's tree. ``valid_response`` checks outputs against the
+same schema with ``jsonschema``, independently of xgrammar.
 """
 
 from __future__ import annotations

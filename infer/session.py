@@ -4,8 +4,9 @@ Arena layout (row 0), DESIGN §4.6:
 
 * ``[0, P)`` the prompt, shared and read-only once written;
 * ``[P, n_kv)`` the committed response, in position order (accepted rows are moved down
-  here); the newest committed token is *pending* (emitted, its KV not yet computed) and
-  is the root of the next verification;
+  here); the newest committed tokens are *pending* (emitted, KV not yet computed): the
+  last correction, and after it any tokens the response grammar forced. They go first in
+  the next call, as a chain, and the last of them is the root of the MAIN tree;
 * ``[n_kv, ...)`` scratch for the MAIN tree under verification, overwritten next round;
 * ``[side_base, capacity)`` a pool for SIDE rows, which the SchemaFill decoder allocates
   and frees; a SIDE row never moves into MAIN.

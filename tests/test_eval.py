@@ -49,8 +49,16 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     sampled = json.loads((out / "sampled.json").read_text())
     assert sampled["temperature"] == 1.0 and list(sampled["metrics"]["bfcl450"]) == cfg.eval.sampled_methods
     assert sampled["metrics"]["bfcl450"]["ar"]["speedup"] == 1.0
-    for title in ("Table 1", "Table 2", "Table 4", "Table 5", "Table 6"):
+    for title in ("Table 1", "Table 2", "Table 4", "Table 5", "Table 6", "Table 7"):
         assert title in text
+    compared = json.loads((out / "constrained.json").read_text())["bfcl450"]  # Table 7: free vs schema
+    assert list(compared["schema"]) == list(compared["none"]) == cfg.eval.constrained_methods
+    for method, v in compared["schema"].items():
+        assert v["ar_agreement"] == 1.0, method  # each equals *constrained* AR
+        assert v["forced"] == compared["schema"]["ar"]["forced"] > 0 and v["decided_al"] < v["accept_length"]
+    assert compared["none"]["schemafill"] == m["schemafill"]  # the free side is the main launch
+    constrained_rows = text.split("## Table 7")[1].split("##")[0]
+    assert constrained_rows.count("| bfcl450 | schemafill |") == 2  # free and schema
     ablation = text.split("## Table 2")[1].split("##")[0]
     assert [line.split("|")[1].strip() for line in ablation.splitlines() if line.startswith("| ")][1:] == \
         ["A", "B", "C", "D"]  # A from eagle3's row, D from schemafill's
@@ -69,7 +77,7 @@ def test_eval_resumes_after_a_crash(tmp_path, tiny_target, tiny_head, builtin_ar
     import infer.eval as stage
 
     cfg = eval_cfg(tmp_path, tiny_target, tiny_head, builtin_artifacts, "eval.methods=[ar,eagle3]",
-                   "eval.ablations=false", "eval.temperature=0")
+                   "eval.ablations=false", "eval.temperature=0", "eval.constrained_methods=[]")
     real, calls = stage.infer_run, []
 
     def crash_on_second(icfg):

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from infer.constraint import Constraint
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
@@ -128,3 +129,40 @@ def test_speculative_sampling_has_ars_distribution():
     wrong = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s),
                     4, SharedDraw)
     assert same_distribution(ar, wrong) < 1e-6  # the test can tell a wrong rule
+
+
+def tiny_grammar_constraint():
+    """A grammar over the tiny vocabulary (token i is the character chr(97 + i), as
+    TinyTokenizer decodes it): a first token in b-e, a forced "g", then one in c-l."""
+    import xgrammar as xgr
+
+    vocab = [chr(97 + i) for i in range(V)]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[EOS])
+    grammar = xgr.GrammarCompiler(info, max_threads=1).compile_grammar('root ::= [b-e] "g" [c-l]')
+    return lambda: Constraint(xgr, grammar, [v.encode() for v in vocab], torch.zeros(2, V, dtype=torch.bool))
+
+
+@pytest.mark.slow
+def test_constrained_speculative_sampling_has_constrained_ars_distribution():
+    model = hf_model("llama", seed=11, vocab_size=V, num_hidden_layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    target = from_hf_model(model, aux_layer_ids=[0, 1, 1])
+    target.hf_config = model.config
+    tok, eos, prompt, max_new = TinyTokenizer(), frozenset({EOS}), [3, 7, 1, 5], 3
+    constraint = tiny_grammar_constraint()
+    head = HeadDrafter(random_head(target, seed=2), TreeBudget(topk=3, depth=2, total=8))
+    ar = outputs(lambda s: decode_ar(target, tok, prompt, max_new, eos, s, constraint()), run=5)
+    def in_language(o: tuple) -> bool:
+        return o[0] in (1, 2, 3, 4) and o[1] == 6 and o[2] >= 2
+
+    assert all(map(in_language, ar)) and 10 < len(ar) < N / 3
+    peek = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s,
+                                         constraint=constraint()), 6)
+    eagle = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, head, scratch=8, sampler=s,
+                                          constraint=constraint()), 7)
+    for name, got in {"peek": peek, "eagle3": eagle}.items():
+        assert all(map(in_language, got)), name
+        assert same_distribution(ar, got) > 1e-3, name
+    free = outputs(lambda s: decode_ar(target, tok, prompt, max_new, eos, s), run=8)
+    assert same_distribution(ar, free) < 1e-6  # the constraint really reshapes the distribution

@@ -135,7 +135,8 @@ class SchemaGrammars:
         self.cache: dict[str, Any] = {}
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
-    def constraint(self, functions: list[dict]) -> "Constraint":
+    def constraint(self, functions: list[dict], enforce: bool = True) -> "Constraint":
+        """The request's grammar state; ``enforce=False`` only prunes drafts (``Constraint``)."""
         schema = json.dumps(response_schema(functions))  # keys in schema order: the grammar keeps it
         if schema not in self.cache:
             t = time.perf_counter()
@@ -143,12 +144,12 @@ class SchemaGrammars:
                                                                    separators=(", ", ": "))
             self.compile_seconds.append(time.perf_counter() - t)
         close_at = None
-        if self.close_at is not None:
+        if self.close_at is not None and enforce:
             calls = [json.dumps({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))},
                                 separators=(", ", ": "), ensure_ascii=False) for fn in functions]
             longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
             close_at = max(self.close_at - longest, 0)
-        return Constraint(self.xgr, self.cache[schema], self.pieces, self.closers, close_at)
+        return Constraint(self.xgr, self.cache[schema], self.pieces, self.closers, close_at, enforce)
 
 
 class Constraint:
@@ -161,10 +162,16 @@ class Constraint:
     in a loop still writes a complete response before the length cap. It is part of the
     grammar's contract, a function of the prefix like the rest, so every decoder applies it
     alike.
+
+    With ``enforce=False`` (``decode.constrain=prune``) the target stays free: the grammar
+    only drops draft nodes it forbids, a bet that the target writes valid calls which costs
+    acceptance, never correctness, when lost. Once the target writes outside the grammar,
+    nothing more is pruned for the request.
     """
 
     def __init__(self, xgr: Any, grammar: Any, pieces: list[bytes], closers: torch.Tensor,
-                 close_at: int | None = None) -> None:
+                 close_at: int | None = None, enforce: bool = True) -> None:
+        self.enforce, self.lost = enforce, False
         self.vocab_size = len(pieces)
         self.matcher = xgr.GrammarMatcher(grammar, max_rollback_tokens=256)
         self.bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, ceil(V/32)] int32
@@ -185,15 +192,19 @@ class Constraint:
                 return closing
         return allowed
 
-    def check(self, tree_tokens: list[int], parents: list[int]) -> tuple[torch.Tensor, list[bool]]:
+    def check(self, tree_tokens: list[int], parents: list[int]) -> tuple[torch.Tensor | None, list[bool]]:
         """Which nodes of a draft tree the grammar allows after their path, and the allowed
         tokens after the committed text (row 0) and after each allowed node's path (row 1 + i),
         as a [1 + m, V] bool mask. A forbidden node can never be accepted, nor can its
-        subtree: its row (and theirs) is left all-true, and it is reported False."""
+        subtree: its row (and theirs) is left all-true, and it is reported False.
+        Without ``enforce`` there are no rows (None): the nodes are only checked."""
         m = len(tree_tokens)
-        out = torch.ones(1 + m, self.vocab_size, dtype=torch.bool)
+        if self.lost:
+            return None, [True] * m
+        out = torch.ones(1 + m, self.vocab_size, dtype=torch.bool) if self.enforce else None
         allowed = [False] * m
-        out[0] = self._allowed(self.count, self.string)
+        if out is not None:
+            out[0] = self._allowed(self.count, self.string)
         kids: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
             kids.setdefault(p, []).append(i)
@@ -201,11 +212,13 @@ class Constraint:
         def walk(parent: int, row: int, depth: int, string: tuple[bool, bool]) -> None:
             for i in kids.get(parent, []):
                 # the row says what the (possibly closing) grammar allows; the matcher must agree
-                if not out[row, tree_tokens[i]] or not self.matcher.accept_token(tree_tokens[i]):
+                if (out is not None and not out[row, tree_tokens[i]]) or not self.matcher.accept_token(tree_tokens[i]):
                     continue
                 allowed[i] = True
-                inner = scan(string, self.pieces[tree_tokens[i]])
-                out[1 + i] = self._allowed(self.count + depth, inner)
+                inner = string
+                if out is not None:
+                    inner = scan(string, self.pieces[tree_tokens[i]])
+                    out[1 + i] = self._allowed(self.count + depth, inner)
                 walk(i, 1 + i, depth + 1, inner)
                 self.matcher.rollback(1)
 
@@ -217,14 +230,21 @@ class Constraint:
         return self._allowed(self.count, self.string)
 
     def forced(self) -> int | None:
-        """The one token the grammar allows next, if it allows exactly one."""
+        """The one token the grammar allows next, if it allows exactly one (and enforces it)."""
+        if not self.enforce:
+            return None
         allowed = self.next_allowed()
         return int(allowed.nonzero()[0]) if int(allowed.sum()) == 1 else None
 
     def advance(self, tokens: list[int]) -> None:
         """Commit tokens the masked target chose (or the grammar forced)."""
         for t in tokens:
+            if self.lost:
+                return
             if not self.matcher.accept_token(t):
-                raise RuntimeError(f"token {t} violates the response grammar: the mask was not applied")
+                if self.enforce:
+                    raise RuntimeError(f"token {t} violates the response grammar: the mask was not applied")
+                self.lost = True  # the free target left the grammar: stop pruning
+                return
             self.count += 1
             self.string = scan(self.string, self.pieces[t])

@@ -152,12 +152,13 @@ def run(cfg: InferConfig) -> dict:
     ar_outputs: dict[str, dict] = {}
     decoders = build_decoders(cfg, target, tokenizer, eos, ar_outputs)
     d_cfg = cfg.decode
-    if cfg.decode.constrain not in ("none", "schema"):
-        raise ValueError(f"decode.constrain must be none or schema, got {cfg.decode.constrain!r}")
+    if cfg.decode.constrain not in ("none", "schema", "prune"):
+        raise ValueError(f"decode.constrain must be none, schema or prune, got {cfg.decode.constrain!r}")
     # compiled once per catalog, before any timing; Parallel Fill is not constrained
     close_at = d_cfg.max_new_tokens - d_cfg.close_margin if d_cfg.close_margin else None
-    grammars = SchemaGrammars(tokenizer, target.config.vocab_size, close_at) if d_cfg.constrain == "schema" else None
-    constraints = (lambda r: grammars.constraint(r.functions)) if grammars else (lambda r: None)
+    grammars = SchemaGrammars(tokenizer, target.config.vocab_size, close_at) if d_cfg.constrain != "none" else None
+    enforce = d_cfg.constrain == "schema"
+    constraints = (lambda r: grammars.constraint(r.functions, enforce)) if grammars else (lambda r: None)
     out = Path(cfg.out)
     for method, decode in decoders.items():
         for r in kept[: cfg.warmup]:

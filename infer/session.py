@@ -67,7 +67,7 @@ class MainSession:
     peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
     prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
     sampler: Sampler | None = None  # how MAIN picks its token at each node (None: greedy)
-    constraint: Constraint | None = None  # the response grammar MAIN's choices obey (None: free)
+    constraint: Constraint | None = None  # the response grammar MAIN's choices obey, or that only prunes drafts
     forced: int = 0  # response tokens the grammar allowed alone (the ones after a verification need no target decision)
     pruned: int = 0  # draft nodes the grammar ruled out before verification
 
@@ -135,7 +135,8 @@ class MainSession:
         allowed, ok = self.constraint.check(tree_tokens, parents)
         index, parents = prune(parents, ok)
         self.pruned += len(tree_tokens) - len(index)
-        return [tree_tokens[i] for i in index], parents, index, allowed[[0] + [1 + i for i in index]]
+        rows = None if allowed is None else allowed[[0] + [1 + i for i in index]]  # None: the target stays free
+        return [tree_tokens[i] for i in index], parents, index, rows
 
     def _force(self) -> None:
         """Commit the tokens the grammar allows alone, with no target decision: every decoder
@@ -193,6 +194,7 @@ class MainSession:
         taken = self.stop.push(new)
         if self.constraint is not None:
             self.constraint.advance(new[:taken])
+        if allowed is not None:
             # a token the grammar allowed alone counts as forced however it was committed, so
             # AL without forced tokens means the same for every decoder
             rows = allowed[[0] + [1 + i for i in accepted]][:taken]  # [taken, V]

@@ -74,7 +74,9 @@ class DecodeConfig:
     side_depth: int = 1  # head-drafted tokens per SIDE branch and round (paper: 1; 0 = the target's token only)
     pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/packer.py)
     side_optional: bool = True  # SIDE branches for optional schema keys too, after the predicted ones
-    constrain: str = "none"  # none | schema: MAIN's choices obey the response grammar of the request's tools
+    # none | schema: MAIN's choices obey the response grammar of the request's tools | prune: the
+    # target stays free, drafts that grammar forbids are dropped before verification
+    constrain: str = "none"
     close_margin: int = 64  # constrained: this many tokens before max_new_tokens, close whatever may close (0 = off)
     copy_len: int = 4  # SchemaFill's MAIN chains recycled from the prompt and the response (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups

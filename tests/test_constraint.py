@@ -205,3 +205,13 @@ def test_builtin_model_every_decoder_equals_constrained_ar_and_every_output_vali
             assert out.forced == ar.forced  # a property of the output, whoever decoded it
             assert out.pruned > 0  # the grammar ruled out some drafts before they cost a row
         assert full.target_calls < ar.target_calls
+        # prune: the target stays free, the grammar only drops drafts; still free AR's tokens
+        free = decode_ar(target, tok, ids, 48, eos)
+        guided = {"eagle3": decode_tree(target, tok, ids, 48, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
+                                        scratch=SCHEMAFILL_BUDGET.total,
+                                        constraint=grammars.constraint(req.functions, enforce=False)),
+                  "schemafill": sf.decode(req, ids, constraint=grammars.constraint(req.functions, enforce=False))}
+        for method, out in guided.items():
+            assert out.ids == free.ids, (name, method, free.text, out.text)
+            assert out.forced == 0
+        assert guided["eagle3"].pruned > 0  # the head's drafts inside the header the grammar fixes

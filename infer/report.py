@@ -117,22 +117,26 @@ def table6(sampled: dict[str, dict[str, dict]]) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
+LABELS = {"none": "free", "prune": "free, pruned drafts", "schema": "schema"}  # decode.constrain
+
+
 def table7(compared: dict[str, dict[str, dict[str, dict]]]) -> tuple[list[str], list[list]]:
-    """Free vs schema-constrained decoding (``{dataset: {"none"|"schema": {method: metrics}}}``):
+    """Free vs schema-constrained decoding (``{dataset: {decode.constrain: {method: metrics}}}``,
+    the free side being ``none`` or ``prune``):
     valid calls, AL with and without forced tokens, TPS, speedup over AR in the same mode,
     and the TPS ratio of each constrained method to its free self."""
     columns = ["Dataset", "Method", "Decoding", "Valid calls (%)", "AL", "AL w/o forced", "E2E TPS",
                "Speedup vs AR", "TPS vs free", "Agrees with AR (%)"]
     rows = []
     for d, modes in compared.items():
-        free = modes.get("none", {})
+        free = next((ms for mode, ms in modes.items() if mode != "schema"), {})
         for method in free.keys() | modes.get("schema", {}).keys():
-            for mode in ("none", "schema"):
-                m = modes.get(mode, {}).get(method)
+            for mode in sorted(modes, key=lambda k: k == "schema"):
+                m = modes[mode].get(method)
                 if m is None:
                     continue
                 base = free.get(method, {}).get("tps")
-                rows.append([d, method, "free" if mode == "none" else "schema",
+                rows.append([d, method, LABELS.get(mode, mode),
                              None if m.get("valid_rate") is None else f"{100 * m['valid_rate']:.1f}",
                              _num(m["accept_length"]), _num(m.get("decided_al")), _tps(m),
                              None if m.get("speedup") is None else f"{m['speedup']:.2f}×",

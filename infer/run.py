@@ -92,6 +92,9 @@ def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[st
     return {m: decoders[m] for m in cfg.methods}  # the order asked for
 
 
+DIAGNOSTICS = ("nodes", "init_nodes", "times", "kv_rows", "pruned")  # pooled into metrics.json, not per output
+
+
 def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
     tokens = sum(len(r["output_ids"]) for r in rows)
     calls = sum(r["target_calls"] for r in rows)
@@ -188,7 +191,7 @@ def run(cfg: InferConfig) -> dict:
     metrics = {m: pooled(rows, reference) for m, rows in outputs.items()}
     for m, rows in outputs.items():
         atomic.write_jsonl(out / "outputs" / f"{m}.jsonl",
-                           [{k: v for k, v in r.items() if k not in ("nodes", "init_nodes", "times", "kv_rows")} for r in rows])
+                           [{k: v for k, v in r.items() if k not in DIAGNOSTICS} for r in rows])
     atomic.write_jsonl(out / "skipped.jsonl", skipped)
     atomic.write_json(out / "metrics.json", metrics)
     ar_tps = metrics.get("ar", {}).get("tps")

@@ -62,7 +62,8 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert metrics["ar"]["accept_length"] == 1.0 and metrics["ar"]["nodes_per_verify"] == 0
     assert metrics["eagle3"]["nodes_per_verify"] <= 8 < metrics["eagle3_wide"]["nodes_per_verify"] <= 60
     rows = [json.loads(x) for x in (out / "outputs" / "eagle3.jsonl").read_text().splitlines()]
-    assert set(rows[0]) == {"id", "sample", "text", "prompt_ids", "output_ids", "target_calls", "seconds", "stop"}
+    assert set(rows[0]) == {"id", "sample", "text", "prompt_ids", "output_ids", "target_calls", "seconds", "stop",
+                            "forced", "valid"}
     assert set(metrics["schemafill"]["time_breakdown"]) == {"forecast", "drafting", "verification", "other",
                                                             "initialisation"}
     for row in result["rows"]["ar"]:  # AR's KV holds the prompt and every response token but the last

@@ -81,10 +81,6 @@ class MainSession:
         return self.stop.done
 
     @property
-    def pending(self) -> int:
-        return self.tokens[-1]
-
-    @property
     def response(self) -> list[int]:
         return list(self.stop.ids)
 

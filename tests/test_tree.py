@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.tree import ROOT, ancestor_mask, ancestors, chain, check_parents, depths, greedy_accept, merge, paths
+from infer.tree import ROOT, ancestor_mask, ancestors, chain, check_parents, depths, greedy_accept, merge, paths, prune
 
 #        root
 #       /    \
@@ -63,3 +63,18 @@ def test_merge_shares_equal_prefixes():
     tokens, parents = merge([a, b])
     assert tokens == [1, 2, 3, 4, 5]
     assert parents == [ROOT, 0, 1, 1, 3]
+
+
+def test_prune_drops_forbidden_nodes_with_their_subtrees():
+    #      root
+    #     /    \
+    #    0      3
+    #   / \     |
+    #  1   2    4
+    #  |
+    #  5
+    parents = [ROOT, 0, 0, ROOT, 3, 1]
+    index, new_parents = prune(parents, [True, False, True, True, True, True])  # 1 goes, and 5 below it
+    assert index == [0, 2, 3, 4] and new_parents == [ROOT, 0, ROOT, 2]
+    assert prune(parents, [False] + [True] * 5) == ([3, 4], [ROOT, 0])
+    assert prune(parents, [True] * 6) == (list(range(6)), parents)

@@ -179,6 +179,7 @@ class Constraint:
         self.shifts = torch.arange(32, dtype=torch.int32)
         self.count = 0  # response tokens committed
         self.string = (False, False)  # the committed text ends inside a string / after a backslash in one
+        self.next_row: torch.Tensor | None = None  # next_allowed() until the committed text moves
 
     def _allowed(self, index: int, string: tuple[bool, bool]) -> torch.Tensor:
         """[V] the tokens allowed as response token ``index`` after the matcher's state, which
@@ -204,7 +205,7 @@ class Constraint:
         out = torch.ones(1 + m, self.vocab_size, dtype=torch.bool) if self.enforce else None
         allowed = [False] * m
         if out is not None:
-            out[0] = self._allowed(self.count, self.string)
+            out[0] = self.next_allowed()
         kids: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
             kids.setdefault(p, []).append(i)
@@ -226,8 +227,11 @@ class Constraint:
         return out, allowed
 
     def next_allowed(self) -> torch.Tensor:
-        """[V] the tokens allowed after the committed text."""
-        return self._allowed(self.count, self.string)
+        """[V] the tokens allowed after the committed text (asked after every commit, to find
+        forced tokens, and again by the next ``check``)."""
+        if self.next_row is None:
+            self.next_row = self._allowed(self.count, self.string)
+        return self.next_row
 
     def forced(self) -> int | None:
         """The one token the grammar allows next, if it allows exactly one (and enforces it)."""
@@ -248,3 +252,4 @@ class Constraint:
                 return
             self.count += 1
             self.string = scan(self.string, self.pieces[t])
+            self.next_row = None

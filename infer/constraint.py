@@ -43,7 +43,9 @@ JSON_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null
 
 def json_schema(value: Any) -> Any:
     """A copy of a tool's parameter schema that a JSON Schema engine accepts: corpus types
-    outside JSON Schema (BFCL's ``any``) lose their type constraint instead of failing."""
+    outside JSON Schema (BFCL's ``any``) lose their type constraint instead of failing, and
+    required keys that ``properties`` does not list join it as any-value properties (the
+    grammar engine only writes listed keys, so it would let such an object miss them)."""
     if isinstance(value, list):
         return [json_schema(v) for v in value]
     if not isinstance(value, dict):
@@ -55,6 +57,12 @@ def json_schema(value: Any) -> Any:
         # "properties" maps names to schemas: a parameter may be called "type"
         out[k] = {name: json_schema(s) for name, s in v.items()} if k == "properties" and isinstance(v, dict) \
             else json_schema(v)
+    required = out.get("required")
+    if isinstance(required, list) and out.get("type", "object") == "object":
+        props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+        missing = {name: {} for name in required if isinstance(name, str) and name not in props}
+        if missing:
+            out["properties"] = {**props, **missing}
     return out
 
 

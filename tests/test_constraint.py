@@ -24,6 +24,10 @@ from tests.test_schemafill import WEATHER, base_target, random_head, request  # 
 def test_json_schema_drops_unknown_types_but_keeps_a_parameter_named_type():
     s = json_schema({"type": "object", "properties": {"type": {"type": "string"}, "x": {"type": "any"}}})
     assert s == {"type": "object", "properties": {"type": {"type": "string"}, "x": {}}}
+    # BFCL's parallel_29: an object that requires keys it does not list (the grammar must write them)
+    s = json_schema({"type": "object", "required": ["adults", "kids"], "properties": {"kids": {"type": "integer"}}})
+    assert s["properties"] == {"kids": {"type": "integer"}, "adults": {}}
+    assert json_schema({"type": "object", "required": ["a"]})["properties"] == {"a": {}}
     calls = response_schema([WEATHER["function"]])["properties"]["tool_calls"]["items"]["anyOf"]
     assert [c["properties"]["name"] for c in calls] == [{"const": "get_weather"}]
 

@@ -203,7 +203,7 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
     v = s.prefill(extra=segments)
     for owner, choices, aux in zip([trunk, b], v.extra_choices, v.extra_aux):
         contexts.settle(owner, choices, aux)
-    assert b.pending == ref.pending  # the target's own next token in that context
+    assert b.pending == ref.tokens[-1]  # the target's own next token in that context
     side = HeadDrafter(head, top1)
     side.start(len(prompt) + 9, s.side_base + 64)
     side.draft(s.tokens, s.new_aux)  # MAIN's catch-up writes the prompt's head entries

@@ -49,9 +49,10 @@ test-full: setup  ## every test, `slow` ones included
 BENCH_LIMIT ?= 0
 BENCH_METHODS ?= [ar,eagle3,eagle3_wide,schemafill]
 BENCH_HEAD ?= $(firstword $(wildcard artifacts/heads/smollm2-135m-full) artifacts/heads/smollm2-135m)
-bench: setup  ## AR vs EAGLE-3 vs SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests) -> outputs/bench/
+BENCH_ARGS ?=
+bench: setup  ## AR vs EAGLE-3 vs SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests; BENCH_ARGS="decode.constrain=schema") -> outputs/bench/
 	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
-		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench
+		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench $(BENCH_ARGS)
 
 gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
 	$(BIN)/python infer/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json

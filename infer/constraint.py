@@ -187,7 +187,7 @@ class Constraint:
         self.shifts = torch.arange(32, dtype=torch.int32)
         self.count = 0  # response tokens committed
         self.string = (False, False)  # the committed text ends inside a string / after a backslash in one
-        self.next_row: torch.Tensor | None = None  # next_allowed() until the committed text moves
+        self._next_row: torch.Tensor | None = None  # next_allowed() until the committed text moves
 
     def _allowed(self, index: int, string: tuple[bool, bool]) -> torch.Tensor:
         """[V] the tokens allowed as response token ``index`` after the matcher's state, which
@@ -237,9 +237,9 @@ class Constraint:
     def next_allowed(self) -> torch.Tensor:
         """[V] the tokens allowed after the committed text (asked after every commit, to find
         forced tokens, and again by the next ``check``)."""
-        if self.next_row is None:
-            self.next_row = self._allowed(self.count, self.string)
-        return self.next_row
+        if self._next_row is None:
+            self._next_row = self._allowed(self.count, self.string)
+        return self._next_row
 
     def forced(self) -> int | None:
         """The one token the grammar allows next, if it allows exactly one (and enforces it)."""
@@ -260,4 +260,4 @@ class Constraint:
                 return
             self.count += 1
             self.string = scan(self.string, self.pieces[t])
-            self.next_row = None
+            self._next_row = None

@@ -98,9 +98,22 @@ class TargetTrainConfig:
     compose_max_catalog: int = 2  # compose only requests with at most this many tools
     freeze_embeddings: bool = True
     trainable_layers: int = 0  # train only the top N decoder layers (0 = all)
-    bf16_autocast_cpu: bool = True
+    # with frozen embeddings and trainable_layers > 0: run the frozen lower layers once per
+    # example and train the top ones on their stored output (exact; later epochs cost less)
+    cache_frozen: bool = True
+    max_examples: int = 0  # fine-tune on at most this many examples, call_mix kept (0 = all)
+    # bf16 autocast on CPU: auto = only where the host computes bf16 natively (AVX512-BF16 or
+    # AMX; emulated bf16 is ~30x slower than fp32), true / false force it. CUDA always uses bf16.
+    bf16_autocast_cpu: str = "auto"
+    checkpoint_minutes: float = 2.0  # resumable fine-tune state every this many minutes, and at the end
     quality_requests: int = 90  # BFCL450 requests (stratified by category) decoded for quality.json; 0 = all
     quality_batch_size: int = 8
+    # the quality gate: below these the stage stops the pipeline (its training state is kept,
+    # and a rerun with a larger budget continues it); the bar they sit under is 0.95 / 0.90 / 25%
+    min_valid_json: float = 0.9
+    min_tool_name_accuracy: float = 0.85
+    max_calls_error: float = 0.3  # |mean calls - reference mean| / reference mean
+    allow_low_quality: bool = False  # go on with a target below the floors anyway
 
 
 @dataclass

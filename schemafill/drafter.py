@@ -28,6 +28,22 @@ from schemafill.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
 AUX_CONVENTION = "hf_hidden_states_index"  # id i = HF hidden_states[i] = the input of decoder layer i
 
 
+def engine_layer_ids(aux_layer_ids: list[int] | tuple[int, ...]) -> dict[str, list[int]]:
+    """The aux layer ids as each serving engine reads them, so both feed the trained layers.
+
+    vLLM reads a top-level ``eagle_aux_hidden_state_layer_ids`` first and captures the input
+    of layer i (HF ``hidden_states[i]``), as we count. SGLang reads only
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures ``[i + 1 for i in ids]``
+    (it means "the output of layer i"), so it must be written one lower.
+    """
+    ids = sorted(aux_layer_ids)  # both engines capture in ascending layer order
+    if ids != list(aux_layer_ids):
+        raise ValueError(f"aux_layer_ids must be ascending (the engines capture in layer order): {aux_layer_ids}")
+    if ids and ids[0] < 1:
+        raise ValueError("aux layer 0 (the embeddings) cannot be written in SGLang's numbering")
+    return {"vllm": ids, "sglang": [i - 1 for i in ids]}
+
+
 @dataclass
 class HeadConfig:
     hidden_size: int
@@ -235,6 +251,7 @@ EXPORT_PREFIXES = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
 
 def export_config(c: HeadConfig) -> dict:
     """``config.json`` in the layout vLLM and SGLang read for ``LlamaForCausalLMEagle3``."""
+    ids = engine_layer_ids(c.aux_layer_ids)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -254,12 +271,15 @@ def export_config(c: HeadConfig) -> dict:
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
+        # vLLM reads this key first, in HF numbering (the input of layer i)
+        "eagle_aux_hidden_state_layer_ids": ids["vllm"],
+        "num_aux_hidden_states": len(ids["vllm"]),  # both engines size `fc` by it
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-            "aux_hidden_state_layer_ids_convention": AUX_CONVENTION,
-            "note": "id i is the input of target decoder layer i (HF hidden_states[i]); "
-                    "SGLang/SpecForge count one lower (the output of layer i-1)",
+            # SGLang reads only this key, and captures the input of layer id + 1
+            "eagle_aux_hidden_state_layer_ids": ids["sglang"],
+            "aux_hidden_state_layer_ids_convention": "sglang: id i = output of layer i = HF hidden_states[i + 1]",
         },
+        "schemafill_aux_layer_ids": {"ids": list(c.aux_layer_ids), "convention": AUX_CONVENTION},
         "schemafill_head_config": asdict(c),
     }
 

@@ -36,7 +36,14 @@ def test_target_defaults_come_with_their_model_only(option):
 
 def test_groups_are_the_documented_ones():
     assert set(GROUPS) >= {"model", "data", "drafter", "decode", "train", "logger"}
-    assert set(options("model")) == {"smollm2-135m", "qwen2.5-7b", "qwen3-8b", "mistral-7b", "hermes3-8b"}
+    assert set(options("model")) == {"smollm2-135m", "qwen2.5-7b", "qwen3-8b", "mistral-7b", "hermes3-8b",
+                                     "qwen2.5", "qwen3"}
+
+
+@pytest.mark.parametrize("family,sized", [("qwen2.5", "qwen2.5-7b"), ("qwen3", "qwen3-8b")])
+def test_family_names_are_the_papers_targets(family, sized):
+    assert to_dataclass(compose([f"model={family}"])).model == to_dataclass(compose([f"model={sized}"])).model
+    assert to_dataclass(compose(["model=qwen2.5"])).model.source == "Qwen/Qwen2.5-7B-Instruct"
 
 
 @pytest.mark.parametrize("model,layers", [("qwen2.5-7b", [2, 14, 25]), ("qwen3-8b", [2, 18, 33]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -119,8 +120,8 @@ def test_export_round_trip(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == 20 and config["target_hidden_size"] == 16
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert config["eagle_config"]["aux_hidden_state_layer_ids_convention"] == "hf_hidden_states_index"
+    assert config["schemafill_aux_layer_ids"] == {"ids": [1, 2, 3], "convention": "hf_hidden_states_index"}
+    assert config["num_aux_hidden_states"] == 3
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.self_attn.q_proj.weight",
             "midlayer.hidden_norm.weight", "midlayer.mlp.down_proj.weight"} <= keys
@@ -154,3 +155,36 @@ def test_drafting_over_the_arena_reproduces_training_time_test():
         node = head.decode_step(ids[:, p + 2:p + 3], out0[:, p:p + 1], torch.tensor([[p + 1]]), visible,
                                 torch.tensor([[19]]), arena)
         assert torch.allclose(node[0, 0], step1[0, p], atol=1e-5), p
+
+
+def vllm_reads(config: dict) -> list[int]:
+    """HF hidden_states indices vLLM feeds the head: the top-level key first, else eagle_config's
+    (v1/worker/gpu_model_runner.py), each the input of layer i; sorted (models/interfaces.py)."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return sorted(set(ids))
+
+
+def sglang_reads(config: dict) -> list[int]:
+    """HF hidden_states indices SGLang feeds the head: only eagle_config's ids, captured as
+    ``[val + 1 for val in layer_ids]`` inputs of layers (srt/models/llama.py)."""
+    return [v + 1 for v in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+
+
+@pytest.mark.parametrize("aux", [[2, 15, 27], [2, 14, 25], [1, 2, 3]])
+def test_both_engines_read_the_layers_the_head_was_trained_on(tmp_path, aux):
+    from dataclasses import replace
+
+    from schemafill.drafter import export_config
+
+    config = export_config(replace(tiny_head(0).config, aux_layer_ids=aux))
+    assert vllm_reads(config) == aux and sglang_reads(config) == aux
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in aux]
+
+
+def test_layer_ids_the_engines_cannot_feed_are_refused():
+    from schemafill.drafter import engine_layer_ids
+
+    with pytest.raises(ValueError, match="ascending"):
+        engine_layer_ids([15, 2, 27])  # both engines capture in layer order: fc would get them permuted
+    with pytest.raises(ValueError, match="SGLang"):
+        engine_layer_ids([0, 5, 9])

@@ -59,7 +59,8 @@ def test_head_trains_exports_and_reports(tiny_continuations, tiny_target, tmp_pa
     assert saved["heldout_loss"] > 0 and saved["heldout_rows"] > 0 and saved["optimizer_steps"] > 0
     assert metrics["cached"] is False and build_head(cfg)["cached"] is True
     config = json.loads((out / "config.json").read_text())
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM's key, HF numbering
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang's, one lower
     assert config["draft_vocab_size"] == 512 and config["vocab_size"] == 49152
     assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))
     head = load_head(out, torch.nn.Embedding(49152, 64), torch.ones(8))

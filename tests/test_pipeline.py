@@ -27,6 +27,9 @@ def test_requests_stage_writes_eval_and_training_sets(make_cfg):
     stats = json.loads((out / "stats.json").read_text())
     assert stats["eval"] == {"bfcl450": 450} and stats["train"] == len(train)
     assert result["stages"]["requests"]["cached"] is False and "requests" in result["seconds"]
+    summary = json.loads((Path(cfg.paths.artifacts) / "run_summary" / "smollm2-135m.json").read_text())
+    assert summary["stages"] == ["requests"] and summary["seconds"]["requests"] == result["seconds"]["requests"]
+    assert summary["host"]["cpu_capability"] and summary["host"]["cpu_count"] >= 1
     rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert len(rejected) == stats["rejected"] and rejected[0]["reason"] == "no tools"
 
@@ -95,7 +98,12 @@ def test_command_line(tmp_path):
     assert standalone.returncode == 0 and "up to date" in standalone.stdout
     helped = subprocess.run([sys.executable, "train/run.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
-    assert "model: hermes3-8b, mistral-7b, qwen2.5-7b, qwen3-8b, smollm2-135m" in helped.stdout
+    assert "model: hermes3-8b, mistral-7b, qwen2.5, qwen2.5-7b, qwen3, qwen3-8b, smollm2-135m" in helped.stdout
+    # the design card's own command: the paper's target by its family name (offline: a clear hint)
+    paper = subprocess.run([sys.executable, "train/run.py", "model=qwen2.5", "stages=[target]", "logger=none",
+                            f"paths.artifacts={art}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "Could not find" not in paper.stderr and "Qwen/Qwen2.5-7B-Instruct" in paper.stderr
+    assert "model.source=/path/to/Qwen2.5-7B-Instruct" in paper.stderr
 
 
 def test_pipeline_run_is_tracked_with_wandb_offline(make_cfg, tmp_path):

@@ -13,7 +13,8 @@ from schemafill.config import to_dataclass
 from schemafill.models import target_location
 from schemafill.tracking import NullTracker
 from tests.conftest import compose
-from train.target import build_target, locate_gguf, stratified
+from schemafill.device import cpu_bf16_native
+from train.target import QualityGateError, build_target, locate_gguf, quality_failures, stratified
 
 
 def test_gguf_conversion_round_trips(builtin_artifacts):
@@ -30,26 +31,57 @@ def test_gguf_conversion_round_trips(builtin_artifacts):
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
 
 
-def test_micro_finetune_end_to_end_and_cached(builtin_artifacts):
-    cfg = to_dataclass(compose([
-        f"paths.artifacts={builtin_artifacts}", "logger=none", "stages=[target]",
-        "train.target.max_steps=2", "train.target.batch_tokens=1024", "train.target.max_seq_len=512",
-        "train.target.quality_requests=3", "train.target.quality_batch_size=3", "decode.max_new_tokens=24",
+def micro(artifacts, *extra: str):
+    return to_dataclass(compose([
+        f"paths.artifacts={artifacts}", "logger=none", "stages=[target]", "train.target.trainable_layers=2",
+        "train.target.max_examples=12", "train.target.batch_tokens=1024", "train.target.max_seq_len=512",
+        "train.target.quality_requests=3", "train.target.quality_batch_size=3", "decode.max_new_tokens=24", *extra,
     ]))
-    result = build_target(cfg, tracker=NullTracker())
+
+
+def test_micro_finetune_gate_resume_override_and_cache(builtin_artifacts):
+    """Two steps leave a target far below the floors: the stage stops, naming the figures and
+    the knob, and keeps its state; a larger budget continues it; the override lets it through."""
     out = builtin_artifacts / "targets" / "smollm2-135m"
+    with pytest.raises(QualityGateError, match=r"valid JSON 0\.00 < train\.target\.min_valid_json.*max_steps=4"):
+        build_target(micro(builtin_artifacts, "train.target.max_steps=2"), tracker=NullTracker())
+    assert not out.exists()  # nothing downstream can pick up a target below the floors
+    ckpt = next((builtin_artifacts / "targets" / ".checkpoints").glob("smollm2-135m-*"))
+    measured = json.loads((ckpt / "quality.json").read_text())
+    assert measured["train"]["steps"] == 2 and measured["train"]["frozen_layers_cached"] == 28
+    assert measured["train"]["precision"]["bf16_autocast"] is cpu_bf16_native()[0]  # fp32 on an AVX2 host
+
+    with pytest.raises(QualityGateError):  # a larger budget continues the same fine-tune
+        build_target(micro(builtin_artifacts, "train.target.max_steps=3"), tracker=NullTracker())
+    resumed = json.loads((ckpt / "quality.json").read_text())["train"]
+    assert resumed["steps"] == 3 and resumed["resumed_from_step"] == 2
+    assert resumed["tokens"] > measured["train"]["tokens"]
+
+    cfg = micro(builtin_artifacts, "train.target.max_steps=3", "train.target.allow_low_quality=true")
+    result = build_target(cfg, tracker=NullTracker())  # measured already: neither trained nor decoded again
+    assert result["cached"] is False and result["train"]["steps"] == 3 and result["valid_json_rate"] < 0.9
     assert target_location(cfg.model, cfg.paths.artifacts) == str(out)
     quality = json.loads((out / "quality.json").read_text())
     for key in ("valid_json_rate", "tool_name_accuracy", "exact_match", "mean_calls", "mean_reference_calls",
                 "mean_prompt_tokens", "mean_response_tokens", "train_seconds", "requests"):
         assert key in quality
-    assert quality["requests"] == 3 and quality["train"]["steps"] == 2 and result["cached"] is False
-    assert quality["data"]["composed"] > 0 and quality["data"]["skipped_too_long"] > 0
+    assert quality["requests"] == 3 and quality["data"]["examples"] <= 12 and quality["data"]["composed"] > 0
     # the result loads back as an ordinary model and tokenizer, offline, with a generation config
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert model.generation_config.eos_token_id == tok.eos_token_id
     assert build_target(cfg, tracker=NullTracker())["cached"] is True  # unchanged: a no-op
+    with pytest.raises(QualityGateError):  # the floors still hold for the cached target without the override
+        build_target(micro(builtin_artifacts, "train.target.max_steps=3"), tracker=NullTracker())
+
+
+def test_quality_floors_name_what_fails():
+    train = to_dataclass(compose([])).train.target
+    good = {"valid_json_rate": 0.97, "tool_name_accuracy": 0.99, "mean_calls": 2.9, "mean_reference_calls": 3.1}
+    assert quality_failures(good, train) == []
+    bad = {**good, "valid_json_rate": 0.22, "mean_calls": 0.73}
+    failures = quality_failures(bad, train)
+    assert len(failures) == 2 and "min_valid_json" in failures[0] and "off by 76%" in failures[1]
 
 
 def test_other_targets_are_resolved_not_trained(builtin_artifacts):

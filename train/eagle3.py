@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
-from schemafill.device import resolve_dtype
+from schemafill.device import cpu_bf16_native, resolve_dtype
 from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
 from schemafill.fingerprint import fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.losses import ttt_loss
@@ -197,6 +197,9 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     accelerator = Accelerator(gradient_accumulation_steps=hc.grad_accum, cpu=not torch.cuda.is_available(),
                               step_scheduler_with_optimizer=False)
     set_seed(cfg.seed)
+    if accelerator.mixed_precision == "bf16" and accelerator.device.type == "cpu" and not cpu_bf16_native()[0]:
+        print(f"[head] warning: the launcher asks for bf16 mixed precision on a CPU that emulates it "
+              f"({cpu_bf16_native()[1]}); pass --mixed_precision no (conf/accelerate/cpu.yaml) for fp32")
     rows = datasets.load_from_disk(str(cont)).to_list()
     # rows whose response starts beyond max_seq_len would only be truncated prompts: nothing to learn
     fits = [i for i, r in enumerate(rows) if r["prompt_len"] + 2 < hc.max_seq_len]

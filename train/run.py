@@ -20,8 +20,10 @@ from omegaconf import DictConfig
 from data_gen.run import build_continuations, build_requests
 from infer.eval import build_eval
 from train.eagle3 import build_head
-from train.target import build_target
+from train.target import QualityGateError, build_target
+from schemafill import atomic
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
+from schemafill.device import host_summary
 from schemafill.tracking import NullTracker, start_run
 
 # Stage name → runner(cfg, tracker) -> dict
@@ -41,16 +43,36 @@ def run(cfg: PipelineConfig) -> dict:
         for stage in stages:
             t0 = time.perf_counter()
             print(f"=== stage {stage} ({cfg.model.name}) ===")
-            results["stages"][stage] = RUNNERS[stage](cfg, tracker)
-            results["seconds"][stage] = round(time.perf_counter() - t0, 2)
+            try:
+                results["stages"][stage] = RUNNERS[stage](cfg, tracker)
+            finally:
+                results["seconds"][stage] = round(time.perf_counter() - t0, 2)
+                if main:
+                    write_summary(cfg, results, stage)
             tracker.summary({f"{stage}/seconds": results["seconds"][stage]})
     finally:
         tracker.finish()
     print("stage times (s): " + ", ".join(f"{k}={v}" for k, v in results["seconds"].items()))
+    print(f"run summary: {summary_path(cfg).resolve()}")
     print(f"artifacts: {Path(cfg.paths.artifacts).resolve()}")
     if "eval" in results["stages"]:
         print(f"report: {Path(results['stages']['eval']['report']).resolve()}")
     return results
+
+
+def summary_path(cfg: PipelineConfig) -> Path:
+    return Path(cfg.paths.artifacts) / "run_summary" / f"{cfg.run_name}.json"
+
+
+def write_summary(cfg: PipelineConfig, results: dict, stage: str) -> None:
+    """Per-stage seconds of this run (a cached stage takes ~0 s) and the host they were measured on."""
+    done = [s for s in results["seconds"] if s in results["stages"]]
+    atomic.write_json(summary_path(cfg), {
+        "model": cfg.model.name, "tag": cfg.tag, "stages": done, "failed": None if stage in done else stage,
+        "seconds": results["seconds"], "total_seconds": round(sum(results["seconds"].values()), 2),
+        "cached": {s: bool(results["stages"][s].get("cached")) for s in done if isinstance(results["stages"][s], dict)},
+        "host": host_summary(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
 
 
 register_configs()
@@ -58,7 +80,11 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run(to_dataclass(cfg))
+    try:
+        run(to_dataclass(cfg))
+    except QualityGateError as e:  # a verdict, not a crash: the message says what to turn
+        print(f"[target] {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from schemafill.compose import compositions
 from schemafill.config import ModelConfig, TargetTrainConfig
 from schemafill.prompt import prompt_ids, response_ids
 from schemafill.toolcall import ToolRequest, serialize_calls
+from train.layer_split import lower_states, pad_states, upper_final
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Example:
     input_ids: list[int]  # prompt + response
     prompt_len: int
     calls: int
+    composed: bool = False  # a multi-call composition of several requests (schemafill.compose)
 
 
 def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConfig, train: TargetTrainConfig,
@@ -49,7 +51,7 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
         if len(ids) + len(resp) > train.max_seq_len:
             too_long += 1  # never truncated: a cut response would teach a broken format
             continue
-        examples.append(Example(req.id, ids + resp, len(ids), len(req.reference)))
+        examples.append(Example(req.id, ids + resp, len(ids), len(req.reference), req.source == "composed"))
     # Most corpus requests need one call; BFCL450 needs 2-4 (3.1 on average). Left as is, the
     # model learns one call as its prior (measured: 1.1 calls per response against 3.1), so
     # examples are resampled to `call_mix` shares of 1, 2, 3 and 4+ calls.
@@ -61,14 +63,31 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
         raise ValueError(f"no fine-tuning examples with {empty} call(s) fit max_seq_len={train.max_seq_len}; "
                          "raise train.target.max_seq_len or set their train.target.call_mix share to 0")
     total = min(len(b) / share for b, share in zip(buckets, train.call_mix) if share > 0)
+    if train.max_examples > 0:  # a smaller set, seen more often (cheap with the frozen-layer cache)
+        total = min(total, train.max_examples / sum(train.call_mix))
     rng = random.Random(seed)
-    examples = [e for b, share in zip(buckets, train.call_mix) for e in rng.sample(b, int(total * share))]
+    examples = [e for b, share in zip(buckets, train.call_mix) for e in natural_first(b, int(total * share), rng)]
     stats = {"referenced": len(referenced), "composed": len(composed), "examples": len(examples),
              "examples_by_calls": {f"{i + 1}{'+' if i + 1 == len(buckets) else ''}": int(total * share)
                                    for i, share in enumerate(train.call_mix)},
              "mean_calls": sum(e.calls for e in examples) / max(len(examples), 1),
+             "natural_multi_call": sum(e.calls > 1 and not e.composed for e in examples),
              "skipped_too_long": too_long, "max_seq_len": train.max_seq_len}
     return examples, stats
+
+
+def natural_first(bucket: list[Example], k: int, rng: random.Random) -> list[Example]:
+    """``k`` examples of a call-count bucket, the corpus' own requests before compositions.
+
+    A natural multi-call request asks for several things in one sentence, as BFCL's parallel
+    sets do; a composition joins separate requests line by line. Both teach several calls,
+    but only the natural ones teach reading them out of one sentence, and they are few.
+    """
+    natural = [e for e in bucket if not e.composed]
+    composed = [e for e in bucket if e.composed]
+    rng.shuffle(natural)
+    rng.shuffle(composed)
+    return (natural + composed)[:k]
 
 
 def batches(examples: list[Example], batch_tokens: int, seed: int):
@@ -109,22 +128,32 @@ def collate(group: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def response_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def loss_at_responses(final: torch.Tensor, labels: torch.Tensor, lm_head: Any) -> torch.Tensor:
     """Next-token cross-entropy on response positions only, logits computed only there."""
-    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    targets = batch["labels"][:, 1:]  # [B, T-1]: token t+1 is predicted at position t
+    targets = labels[:, 1:]  # [B, T-1]: token t+1 is predicted at position t
     keep = targets != -100
-    logits = model.lm_head(hidden[:, :-1][keep])  # [N, V]
+    logits = lm_head(final[:, :-1][keep])  # [N, V]
     return F.cross_entropy(logits.float(), targets[keep])
+
+
+def response_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss through the whole model (no frozen-layer cache)."""
+    final = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    return loss_at_responses(final, batch["labels"], model.lm_head)
+
+
+def frozen_layers(model: Any, train: TargetTrainConfig) -> int:
+    """How many lower decoder layers stay frozen (0 when every layer trains)."""
+    layers = len(model.model.layers)
+    keep = layers if train.trainable_layers <= 0 else min(train.trainable_layers, layers)
+    return layers - keep
 
 
 def freeze(model: Any, train: TargetTrainConfig) -> int:
     """Freeze embeddings and all but the top ``trainable_layers``; return trainable params."""
     if train.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
-    layers = model.model.layers
-    keep = len(layers) if train.trainable_layers <= 0 else min(train.trainable_layers, len(layers))
-    for layer in layers[: len(layers) - keep]:
+    for layer in model.model.layers[: frozen_layers(model, train)]:
         layer.requires_grad_(False)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -136,50 +165,160 @@ def lr_factor(progress: float, step: int, warmup_steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+@dataclass
+class Progress:
+    """Where a fine-tune stands; saved with its checkpoint, so a rerun continues it."""
+
+    steps: int = 0
+    batches: int = 0  # drawn from the example stream; a resumed run skips them
+    seconds: float = 0.0  # training wall time, summed over every run
+    tokens: int = 0  # padded tokens trained on
+    losses: list[float] = field(default_factory=list)
+    # seconds per token of the last steps, for the budget's estimate of the next one
+    lower_rate: float = 0.0  # frozen layers, once per example
+    upper_rate: float = 0.0  # trained layers (the whole model without the cache), every visit
+
+
+class StepCost:
+    """Predicts a step's seconds from the steps so far, so no step starts that would end past
+    the budget. Per-token rates of the frozen-layer pass (paid on an example's first visit)
+    and of the trained pass are kept apart: first visits cost several times later ones."""
+
+    margin = 1.15  # steps vary with padding and cache state; err on the side of the budget
+
+    def __init__(self, progress: Progress, window: int = 5) -> None:
+        self.progress, self.window = progress, window
+        self.lower: list[float] = [progress.lower_rate] if progress.lower_rate else []
+        self.upper: list[float] = [progress.upper_rate] if progress.upper_rate else []
+
+    def observe(self, lower_tokens: int, lower_s: float, upper_tokens: int, upper_s: float) -> None:
+        if lower_tokens:
+            self.lower = (self.lower + [lower_s / lower_tokens])[-self.window:]
+            self.progress.lower_rate = self.lower[-1]
+        self.upper = (self.upper + [upper_s / upper_tokens])[-self.window:]
+        self.progress.upper_rate = self.upper[-1]
+
+    def predict(self, lower_tokens: int, upper_tokens: int) -> float | None:
+        """Seconds the next step will take, or None before any step has been measured."""
+        if not self.upper or (lower_tokens and not self.lower):
+            return None
+        lower = max(self.lower) * lower_tokens if lower_tokens else 0.0
+        return self.margin * (lower + max(self.upper) * upper_tokens)
+
+
+class LowerCache:
+    """The frozen layers' output (input of the first trained layer) per example, computed on
+    its first visit and reused on every later one."""
+
+    def __init__(self, model: Any, split: int, examples: list[Example]) -> None:
+        self.model, self.split = model, split
+        self.index = {id(e): i for i, e in enumerate(examples)}
+        self.states: dict[int, torch.Tensor] = {}
+
+    def missing_tokens(self, group: list[Example]) -> int:
+        return sum(len(e.input_ids) for e in group if self.index[id(e)] not in self.states)
+
+    def batch(self, group: list[Example]) -> torch.Tensor:
+        """[B, T, H] right-padded states of ``group``."""
+        for e in group:
+            key = self.index[id(e)]
+            if key not in self.states:
+                self.states[key] = lower_states(self.model, e.input_ids, self.split)
+        return pad_states([self.states[self.index[id(e)]] for e in group])
+
+
 def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetTrainConfig, seed: int,
-             tracker: Any) -> dict:
-    """Train in place until ``max_steps`` or ``max_minutes``; return the run's statistics."""
+             tracker: Any, autocast_bf16: bool, progress: Progress | None = None,
+             optimizer_state: dict | None = None, checkpoint: Callable[[Progress, dict], None] | None = None) -> dict:
+    """Train in place until ``max_steps`` or ``max_minutes``; return the run's statistics.
+
+    ``progress`` and ``optimizer_state`` (from an earlier run's ``checkpoint``) continue that
+    run: its steps, time and example stream go on where they stopped. ``checkpoint`` is
+    called every ``train.checkpoint_minutes`` and at the end with what a rerun needs.
+    """
     from accelerate import Accelerator
 
-    use_bf16 = torch.cuda.is_available() or train.bf16_autocast_cpu
     # autocast by hand rather than Accelerator(mixed_precision=...): Accelerate's state is a
     # process-wide singleton, and the pipeline runs other Accelerate stages in this process
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(seed)
     trainable = freeze(model, train)
+    split = frozen_layers(model, train) if train.cache_frozen and train.freeze_embeddings else 0
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=0.0)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
     model, optimizer = accelerator.prepare(model, optimizer)
+    raw = accelerator.unwrap_model(model)
     model.train()
+    progress = progress or Progress()
+    resumed_from = progress.steps
     stream = batches(examples, train.batch_tokens, seed)
+    for _ in range(progress.batches):  # the batches the earlier runs trained on
+        next(stream)
+    cache = LowerCache(raw, split, examples) if split else None
+    cost = StepCost(progress)
     budget = train.max_minutes * 60
-    t0 = time.perf_counter()
-    tokens = steps = 0
-    losses: list[float] = []
-    bar = tqdm(total=train.max_steps, desc="fine-tune target", unit="step", dynamic_ncols=True)
-    while steps < train.max_steps and time.perf_counter() - t0 < budget:
-        batch = {k: v.to(accelerator.device) for k, v in collate(next(stream), tokenizer.pad_token_id).items()}
-        progress = max(steps / train.max_steps, (time.perf_counter() - t0) / budget)
-        for group in optimizer.param_groups:
-            group["lr"] = train.lr * lr_factor(progress, steps, train.warmup_steps)
-        with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            loss = response_loss(accelerator.unwrap_model(model), batch)
+    last_save = run_start = time.perf_counter()
+    stop = "max_steps"
+    bar = tqdm(total=train.max_steps, initial=progress.steps, desc="fine-tune target", unit="step",
+               dynamic_ncols=True)
+    while progress.steps < train.max_steps:
+        group = next(stream)
+        width = max(len(e.input_ids) for e in group)
+        missing = cache.missing_tokens(group) if cache else 0
+        expected = cost.predict(missing, width * len(group))
+        elapsed = progress.seconds + time.perf_counter() - run_start
+        if elapsed >= budget or (expected is not None and elapsed + expected > budget):
+            stop = "max_minutes"
+            break
+        fraction = max(progress.steps / train.max_steps, elapsed / budget)
+        for g in optimizer.param_groups:
+            g["lr"] = train.lr * lr_factor(fraction, progress.steps, train.warmup_steps)
+        t0 = time.perf_counter()
+        batch = {k: v.to(accelerator.device) for k, v in collate(group, tokenizer.pad_token_id).items()}
+        with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+            states = cache.batch(group) if cache else None
+            t1 = time.perf_counter()
+            if cache:
+                loss = loss_at_responses(upper_final(raw, states, split), batch["labels"], raw.lm_head)
+            else:
+                loss = response_loss(raw, batch)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        steps += 1
-        tokens += int(batch["attention_mask"].sum())
-        losses.append(loss.item())
-        elapsed = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        cost.observe(missing, t1 - t0, width * len(group), t2 - t1)
+        progress.steps += 1
+        progress.batches += 1
+        progress.tokens += int(batch["attention_mask"].sum())
+        progress.losses.append(round(loss.item(), 4))
+        now = time.perf_counter()
+        elapsed = progress.seconds + now - run_start
         bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / elapsed:.0f}", min=f"{elapsed / 60:.1f}")
-        tracker.log({"target/step": steps, "target/loss": losses[-1], "target/lr": optimizer.param_groups[0]["lr"],
-                     "target/tokens_per_s": tokens / elapsed})
+        bar.set_postfix(loss=f"{progress.losses[-1]:.3f}", tok_s=f"{progress.tokens / elapsed:.0f}",
+                        min=f"{elapsed / 60:.1f}")
+        tracker.log({"target/step": progress.steps, "target/loss": progress.losses[-1],
+                     "target/lr": optimizer.param_groups[0]["lr"], "target/tokens_per_s": progress.tokens / elapsed})
+        if checkpoint is not None and now - last_save > train.checkpoint_minutes * 60:
+            checkpoint(_advance(progress, now - run_start), optimizer.state_dict())
+            run_start = last_save = now
     bar.close()
     model.eval()
-    seconds = time.perf_counter() - t0
-    tail = losses[-10:] or [float("nan")]
-    return {"steps": steps, "train_seconds": round(seconds, 1), "tokens": tokens,
-            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "trainable_params": trainable,
-            "final_loss": sum(tail) / len(tail), "first_loss": losses[0] if losses else None}
+    progress = _advance(progress, time.perf_counter() - run_start)
+    if checkpoint is not None:
+        checkpoint(progress, optimizer.state_dict())
+    tail = progress.losses[-10:] or [float("nan")]
+    return {"steps": progress.steps, "resumed_from_step": resumed_from, "stopped_by": stop,
+            "train_seconds": round(progress.seconds, 1), "tokens": progress.tokens,
+            "tokens_per_s": round(progress.tokens / max(progress.seconds, 1e-9), 1), "trainable_params": trainable,
+            "frozen_layers_cached": split, "examples_cached": len(cache.states) if cache else 0,
+            "bf16_autocast": autocast_bf16, "final_loss": sum(tail) / len(tail),
+            "first_loss": progress.losses[0] if progress.losses else None}
+
+
+def _advance(progress: Progress, seconds: float) -> Progress:
+    """``progress`` with ``seconds`` more training time (it is mutated in place and returned)."""
+    progress.seconds = round(progress.seconds + seconds, 3)
+    return progress

@@ -16,8 +16,10 @@ import copy
 import importlib.util
 import json
 import random
+import shutil
 import time
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,8 @@ from tqdm.auto import tqdm
 
 from schemafill import atomic
 from schemafill.callmetrics import quality
-from schemafill.config import PipelineConfig, to_dict
-from schemafill.device import resolve_device
+from schemafill.config import PipelineConfig, TargetTrainConfig, to_dict
+from schemafill.device import host_summary, resolve_device, use_bf16
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, write_manifest
 from schemafill.generate import generate, prefix_order
 from schemafill.models import load_config, load_model, load_tokenizer, target_dir
@@ -36,7 +38,7 @@ from schemafill.records import read_requests
 from schemafill.runtime import from_hf_model
 from schemafill.stopping import eos_token_ids
 from schemafill.toolcall import ToolRequest
-from train.sft import build_examples, finetune
+from train.sft import Progress, build_examples, finetune
 
 OUTPUTS = ["config.json", "model.safetensors", "tokenizer.json", "quality.json"]
 
@@ -140,6 +142,80 @@ def check_weights(cfg: PipelineConfig) -> dict:
     return {"source": cfg.model.source, "model_type": config.model_type, "num_hidden_layers": layers}
 
 
+# train.target keys that only say how long to train, how to judge the result, or how often
+# to save: a rerun that changes only these continues the same fine-tune
+BUDGET_KEYS = ("max_minutes", "max_steps", "checkpoint_minutes", "quality_requests", "quality_batch_size",
+               "min_valid_json", "min_tool_name_accuracy", "max_calls_error", "allow_low_quality", "bf16_autocast_cpu")
+GATE_KEYS = ("min_valid_json", "min_tool_name_accuracy", "max_calls_error", "allow_low_quality")
+
+
+class QualityGateError(RuntimeError):
+    """The fine-tuned target is below the quality floors; its training state is kept."""
+
+
+def quality_failures(q: dict, train: TargetTrainConfig) -> list[str]:
+    """Which floors ``q`` (a quality.json) falls below, in words; empty when it passes."""
+    failures = []
+    if q["valid_json_rate"] < train.min_valid_json:
+        failures.append(f"valid JSON {q['valid_json_rate']:.2f} < train.target.min_valid_json={train.min_valid_json}")
+    if q["tool_name_accuracy"] < train.min_tool_name_accuracy:
+        failures.append(f"tool-name accuracy {q['tool_name_accuracy']:.2f} < "
+                        f"train.target.min_tool_name_accuracy={train.min_tool_name_accuracy}")
+    ref = q.get("mean_reference_calls")
+    if ref and abs(q["mean_calls"] - ref) / ref > train.max_calls_error:
+        failures.append(f"mean calls {q['mean_calls']:.2f} against {ref:.2f} in the references "
+                        f"(off by {abs(q['mean_calls'] - ref) / ref:.0%} > train.target.max_calls_error="
+                        f"{train.max_calls_error})")
+    return failures
+
+
+def check_quality(q: dict, train: TargetTrainConfig, kept: Path) -> None:
+    """Raise QualityGateError, naming the figures and the knobs, unless ``q`` passes or is let through."""
+    failures = quality_failures(q, train)
+    if not failures:
+        return
+    if train.allow_low_quality:
+        print(f"[target] below the quality floors, going on (train.target.allow_low_quality=true): {'; '.join(failures)}")
+        return
+    steps, minutes = q["train"]["steps"], q["train"]["train_seconds"] / 60
+    raise QualityGateError(
+        f"the fine-tuned target is below the quality floors after {steps} steps ({minutes:.1f} min): "
+        f"{'; '.join(failures)}.\nIts weights and optimizer state are kept in {kept}; a rerun with a larger budget "
+        f"continues from them, e.g. train.target.max_minutes={2 * train.max_minutes:g} (was {train.max_minutes:g})"
+        f"{f' or train.target.max_steps={2 * train.max_steps}' if q['train']['stopped_by'] == 'max_steps' else ''}. "
+        "To go on with this target anyway: train.target.allow_low_quality=true.")
+
+
+# ------------------------------------------------------------------------- checkpoint
+def save_checkpoint(folder: Path, model: Any, progress: Progress, optimizer_state: dict) -> None:
+    """The trainable weights, optimizer state and progress of a fine-tune, written atomically."""
+    from safetensors.torch import save_file
+
+    trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    with atomic.atomic_path(folder / "state") as tmp:
+        tmp.mkdir()
+        save_file(trainable, str(tmp / "trainable.safetensors"))
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        atomic.write_json(tmp / "progress.json", asdict(progress))
+
+
+def load_checkpoint(folder: Path, model: Any) -> tuple[Progress | None, dict | None]:
+    """Load a saved fine-tune into ``model``; (None, None) when there is none."""
+    from safetensors.torch import load_file
+
+    state = folder / "state"
+    if not (state / "progress.json").is_file():
+        return None, None
+    weights = load_file(str(state / "trainable.safetensors"))
+    missing = set(weights) - {n for n, _ in model.named_parameters()}
+    if missing:
+        raise ValueError(f"checkpoint {state} does not fit this model: {sorted(missing)[:3]} ...")
+    model.load_state_dict(weights, strict=False)
+    progress = Progress(**json.loads((state / "progress.json").read_text()))
+    return progress, torch.load(state / "optimizer.pt", weights_only=True)
+
+
+# ------------------------------------------------------------------------- stage
 def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
     if not cfg.model.finetune:
         return check_weights(cfg)
@@ -148,43 +224,70 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
     if PartialState().num_processes > 1:
         raise RuntimeError("the `target` stage fine-tunes in one process; run it without `accelerate launch` "
                            "(or with --num_processes 1), then launch the later stages")
+    tc = cfg.train.target
     out = target_dir(cfg.model, cfg.paths.artifacts)
     train_file = Path(cfg.paths.artifacts) / "requests" / "train.jsonl"
     eval_file = Path(cfg.paths.artifacts) / "requests" / "bfcl450.jsonl"
     for f in (train_file, eval_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} missing: run the `requests` stage first")
-    fp = fingerprint({"model": to_dict(cfg.model), "train": to_dict(cfg.train.target), "seed": cfg.seed,
-                      "max_new_tokens": cfg.decode.max_new_tokens, "data": file_digest(train_file),
-                      "eval": file_digest(eval_file), "recipe": 1})
+    settings = to_dict(tc)
+    recipe = {"model": to_dict(cfg.model), "train": {k: v for k, v in settings.items() if k not in BUDGET_KEYS},
+              "seed": cfg.seed, "data": file_digest(train_file), "recipe": 2}
+    fp = fingerprint({**recipe, "budget": {k: v for k, v in settings.items() if k in BUDGET_KEYS and k not in GATE_KEYS},
+                      "max_new_tokens": cfg.decode.max_new_tokens, "eval": file_digest(eval_file)})
     if is_fresh(out, fp, OUTPUTS):
         result = json.loads((out / "quality.json").read_text())
         print(f"[target] up to date in {out} (fingerprint {fp})")
+        check_quality(result, tc, out)
         return {**result, "cached": True}
-
+    ckpt = Path(cfg.paths.artifacts) / "targets" / ".checkpoints" / f"{cfg.model.name}-{fingerprint(recipe)}"
+    measured = ckpt / "quality.json"
+    result = json.loads(measured.read_text()) if measured.is_file() else None
     base = convert_gguf(locate_gguf(cfg.model.source, cfg.model.gguf_file),
                         Path(cfg.paths.artifacts) / "targets" / f"{cfg.model.name}-base")
     tokenizer = load_tokenizer(str(base))
-    model = load_model(str(base), torch.float32, resolve_device())  # fp32 master weights; autocast trains in bf16
-    train_requests, _ = read_requests(train_file)
-    examples, data_stats = build_examples(train_requests, tokenizer, cfg.model, cfg.train.target, cfg.seed)
-    print(f"[target] SFT data: {data_stats}")
-    train_stats = finetune(model, tokenizer, examples, cfg.train.target, cfg.seed, tracker)
-    print(f"[target] fine-tuned: {train_stats}")
-
-    eval_requests = stratified(read_requests(eval_file)[0], cfg.train.target.quality_requests, cfg.seed)
-    q, samples = measure_quality(model, tokenizer, eval_requests, cfg)
-    result = {**q, "train_seconds": train_stats["train_seconds"], "train": train_stats, "data": data_stats,
-              "subset": {"of": "bfcl450", "requests": len(eval_requests),
-                         "stratified_by": "category" if len(eval_requests) < 450 else None}}
+    device = resolve_device()
+    model = load_model(str(base), torch.float32, device)  # fp32 master weights; bf16 only by autocast
+    if result is not None and result.get("fingerprint") == fp:  # this very budget was trained and measured
+        load_checkpoint(ckpt, model)
+        print(f"[target] {ckpt} holds this fine-tune, measured: {_summary(result)}")
+    else:
+        train_requests, _ = read_requests(train_file)
+        examples, data_stats = build_examples(train_requests, tokenizer, cfg.model, tc, cfg.seed)
+        print(f"[target] SFT data: {data_stats}")
+        progress, optimizer_state = load_checkpoint(ckpt, model)
+        if progress is not None:
+            print(f"[target] continuing the fine-tune in {ckpt} from step {progress.steps} "
+                  f"({progress.seconds / 60:.1f} of {tc.max_minutes:g} min)")
+        bf16, why = use_bf16(tc.bf16_autocast_cpu, device)
+        print(f"[target] precision: {'bf16 autocast' if bf16 else 'fp32'} ({why}; train.target.bf16_autocast_cpu="
+              f"{tc.bf16_autocast_cpu})")
+        train_stats = finetune(model, tokenizer, examples, tc, cfg.seed, tracker, bf16, progress, optimizer_state,
+                               checkpoint=lambda p, opt: save_checkpoint(ckpt, model, p, opt))
+        train_stats["precision"] = {"bf16_autocast": bf16, "why": why, "host": host_summary()}
+        print(f"[target] fine-tuned: {train_stats}")
+        eval_requests = stratified(read_requests(eval_file)[0], tc.quality_requests, cfg.seed)
+        q, samples = measure_quality(model, tokenizer, eval_requests, cfg)
+        result = {**q, "train_seconds": train_stats["train_seconds"], "train": train_stats, "data": data_stats,
+                  "subset": {"of": "bfcl450", "requests": len(eval_requests),
+                             "stratified_by": "category" if len(eval_requests) < 450 else None},
+                  "fingerprint": fp}
+        atomic.write_jsonl(ckpt / "quality_samples.jsonl", samples)
+        atomic.write_json(measured, result)
+        print(f"[target] quality: {_summary(result)}")
+    check_quality(result, tc, ckpt)
     with atomic.atomic_path(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         atomic.write_json(tmp / "quality.json", result)
-        atomic.write_jsonl(tmp / "quality_samples.jsonl", samples)
-        write_manifest(tmp, fp, stage="target", base=str(base))
-    summary = {k: result[k] for k in ("valid_json_rate", "tool_name_accuracy", "exact_match", "mean_calls",
-                                      "mean_reference_calls", "train_seconds")}
-    print(f"[target] saved {out}: {json.dumps(summary)}")
-    tracker.summary({f"target/{k}": v for k, v in summary.items()})
+        shutil.copy(ckpt / "quality_samples.jsonl", tmp / "quality_samples.jsonl")
+        write_manifest(tmp, fp, stage="target", base=str(base), checkpoint=str(ckpt))
+    print(f"[target] saved {out}")
+    tracker.summary({f"target/{k}": v for k, v in _summary(result).items()})
     return {**result, "cached": False}
+
+
+def _summary(result: dict) -> dict:
+    return {k: result[k] for k in ("valid_json_rate", "tool_name_accuracy", "exact_match", "mean_calls",
+                                   "mean_reference_calls", "train_seconds")}

@@ -43,7 +43,7 @@ def test_micro_finetune_gate_resume_override_and_cache(builtin_artifacts):
     """Two steps leave a target far below the floors: the stage stops, naming the figures and
     the knob, and keeps its state; a larger budget continues it; the override lets it through."""
     out = builtin_artifacts / "targets" / "smollm2-135m"
-    with pytest.raises(QualityGateError, match=r"valid JSON 0\.00 < train\.target\.min_valid_json.*max_steps=4"):
+    with pytest.raises(QualityGateError, match=r"(?s)valid JSON 0\.00 < train\.target\.min_valid_json.*max_steps=4"):
         build_target(micro(builtin_artifacts, "train.target.max_steps=2"), tracker=NullTracker())
     assert not out.exists()  # nothing downstream can pick up a target below the floors
     ckpt = next((builtin_artifacts / "targets" / ".checkpoints").glob("smollm2-135m-*"))

@@ -1,15 +1,19 @@
 """Supervised fine-tuning of a target on tool-call responses (stage `target`).
 
-Examples are prompt + canonical reference response, loss on response tokens only. The
-loop is Accelerate's (bf16 autocast on CPU is ~1.5x faster than fp32 here and is what
-``train.target.bf16_autocast_cpu`` turns on) and is budgeted by steps *and* wall time, so
-`make run` stays inside its time box on a 2-core machine. Two measured savings on CPU:
-frozen embeddings (tied to the LM head in SmolLM2) and frozen lower layers, whose
-backward pass is then never built; logits are computed only where the loss needs them.
+Examples are prompt + canonical reference response, loss on response tokens only. The loop
+is Accelerate's, in fp32 on a CPU unless it computes bf16 natively (``schemafill.device``:
+emulated bf16 is ~30x slower), and is budgeted by steps *and* wall time, so `make run`
+stays inside its time box on a 2-core machine; no step starts that would end past it.
+Measured savings on CPU: frozen embeddings (tied to the LM head in SmolLM2); frozen lower
+layers, whose backward pass is never built and whose output is computed once per example
+(``train.layer_split``); logits only where the loss needs them; and, with
+``context_grad=false``, prompts run forward without grad, so only the responses (a sixth
+of the tokens) pay for a backward pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -24,7 +28,7 @@ from schemafill.compose import compositions
 from schemafill.config import ModelConfig, TargetTrainConfig
 from schemafill.prompt import prompt_ids, response_ids
 from schemafill.toolcall import ToolRequest, serialize_calls
-from train.layer_split import lower_states, pad_states, upper_final
+from train.layer_split import lower_states, pad_states, upper_final, upper_final_detached_context
 
 
 @dataclass(frozen=True)
@@ -39,11 +43,16 @@ class Example:
 def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConfig, train: TargetTrainConfig,
                    seed: int) -> tuple[list[Example], dict]:
     """Tokenized SFT examples: referenced requests plus multi-call compositions of them."""
+    rng = random.Random(seed)
     referenced = [r for r in requests if r.reference]
+    if train.max_catalog > 0:
+        referenced = [trim_catalog(r, train.max_catalog, rng) for r in referenced]
     # BFCL450 averages 3.1 calls: weight 3- and 4-call compositions, and compose parts with
     # small catalogs so the composed prompts fit max_seq_len instead of being skipped
     composed = compositions(referenced, int(len(referenced) * train.compositions), seed=seed, prefix="sft_composed",
                             same_tool_share=0.6, sizes=(2, 3, 4, 4, 4), max_catalog=train.compose_max_catalog)
+    if train.max_catalog > 0:  # a composition joins its parts' catalogs: trim the union too
+        composed = [trim_catalog(r, train.max_catalog, rng) for r in composed]
     examples, too_long = [], 0
     for req in referenced + composed:
         ids = prompt_ids(req, model.prompt_style, tokenizer, model.chat_template_kwargs)
@@ -65,7 +74,6 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
     total = min(len(b) / share for b, share in zip(buckets, train.call_mix) if share > 0)
     if train.max_examples > 0:  # a smaller set, seen more often (cheap with the frozen-layer cache)
         total = min(total, train.max_examples / sum(train.call_mix))
-    rng = random.Random(seed)
     examples = [e for b, share in zip(buckets, train.call_mix) for e in natural_first(b, int(total * share), rng)]
     stats = {"referenced": len(referenced), "composed": len(composed), "examples": len(examples),
              "examples_by_calls": {f"{i + 1}{'+' if i + 1 == len(buckets) else ''}": int(total * share)
@@ -74,6 +82,17 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
              "natural_multi_call": sum(e.calls > 1 and not e.composed for e in examples),
              "skipped_too_long": too_long, "max_seq_len": train.max_seq_len}
     return examples, stats
+
+
+def trim_catalog(request: ToolRequest, size: int, rng: random.Random) -> ToolRequest:
+    """``request`` with its catalog cut to the called tools plus random others, ``size`` in
+    all (never fewer than the called ones), in the catalog's own order."""
+    called = {c.name for c in request.reference or []}
+    others = [t["function"]["name"] for t in request.tools if t["function"]["name"] not in called]
+    keep = called | set(rng.sample(others, max(0, min(size - len(called), len(others)))))
+    if len(keep) >= len(request.tools):
+        return request
+    return dataclasses.replace(request, tools=[t for t in request.tools if t["function"]["name"] in keep])
 
 
 def natural_first(bucket: list[Example], k: int, rng: random.Random) -> list[Example]:
@@ -218,13 +237,57 @@ class LowerCache:
     def missing_tokens(self, group: list[Example]) -> int:
         return sum(len(e.input_ids) for e in group if self.index[id(e)] not in self.states)
 
-    def batch(self, group: list[Example]) -> torch.Tensor:
-        """[B, T, H] right-padded states of ``group``."""
+    def fill(self, group: list[Example]) -> None:
         for e in group:
             key = self.index[id(e)]
             if key not in self.states:
                 self.states[key] = lower_states(self.model, e.input_ids, self.split)
-        return pad_states([self.states[self.index[id(e)]] for e in group])
+
+    def get(self, e: Example) -> torch.Tensor:
+        return self.states[self.index[id(e)]]
+
+    def batch(self, group: list[Example]) -> torch.Tensor:
+        """[B, T, H] right-padded states of ``group``."""
+        self.fill(group)
+        return pad_states([self.get(e) for e in group])
+
+
+def split_collate(group: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """A batch cut one token before each response: left-padded contexts (every prompt token
+    but the last) and right-padded tails (the last prompt token, then the response)."""
+    contexts = [e.input_ids[: e.prompt_len - 1] for e in group]
+    tails = [e.input_ids[e.prompt_len - 1:] for e in group]
+    c, r = max(map(len, contexts)), max(map(len, tails))
+    ids = torch.full((len(group), c + r), pad_id, dtype=torch.long)  # [B, C + R]
+    mask = torch.zeros((len(group), c + r), dtype=torch.long)  # [B, C + R]
+    labels = torch.full((len(group), r), -100, dtype=torch.long)  # [B, R]
+    for i, (ctx, tail) in enumerate(zip(contexts, tails)):
+        ids[i, c - len(ctx):c], ids[i, c:c + len(tail)] = torch.tensor(ctx), torch.tensor(tail)
+        mask[i, c - len(ctx):c + len(tail)] = 1
+        labels[i, 1:len(tail)] = ids[i, c + 1:c + len(tail)]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, C + R]: each row counts from its first token
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels, "context": c}
+
+
+def detached_context_loss(model: Any, batch: dict[str, Any], states: list[torch.Tensor] | None,
+                          split: int) -> torch.Tensor:
+    """The response loss of a ``split_collate`` batch, its contexts run without grad.
+
+    ``states`` are the examples' [T_i, H] inputs of layer ``split`` (the frozen layers'
+    cache), or None with ``split`` 0 (the embeddings, looked up here). The loss is the exact
+    one; its gradient leaves out the path through the contexts' keys and values. Most of an
+    example's tokens are prompt, so a step costs a forward pass over them plus a backward
+    pass over the responses only."""
+    c, ids, mask = batch["context"], batch["input_ids"], batch["attention_mask"]
+    if states is None:
+        hidden = model.model.embed_tokens(ids)  # [B, C + R, H]
+    else:  # the cached states in split_collate's layout: contexts end at column C, tails start there
+        hidden = states[0].new_zeros(*ids.shape, states[0].shape[-1])  # [B, C + R, H]
+        for i, row in enumerate(states):
+            first = c - int(mask[i, :c].sum())  # where the left-padded context begins
+            hidden[i, first:first + row.shape[0]] = row
+    final = upper_final_detached_context(model, hidden[:, :c], hidden[:, c:], mask, batch["position_ids"], split)
+    return loss_at_responses(final, batch["labels"], model.lm_head)
 
 
 def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetTrainConfig, seed: int,
@@ -265,9 +328,10 @@ def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetT
                dynamic_ncols=True)
     while progress.steps < train.max_steps:
         group = next(stream)
-        width = max(len(e.input_ids) for e in group)
+        batch = (collate if train.context_grad else split_collate)(group, tokenizer.pad_token_id)
+        padded = batch["input_ids"].numel()
         missing = cache.missing_tokens(group) if cache else 0
-        expected = cost.predict(missing, width * len(group))
+        expected = cost.predict(missing, padded)
         elapsed = progress.seconds + time.perf_counter() - run_start
         if elapsed >= budget or (expected is not None and elapsed + expected > budget):
             stop = "max_minutes"
@@ -276,12 +340,15 @@ def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetT
         for g in optimizer.param_groups:
             g["lr"] = train.lr * lr_factor(fraction, progress.steps, train.warmup_steps)
         t0 = time.perf_counter()
-        batch = {k: v.to(accelerator.device) for k, v in collate(group, tokenizer.pad_token_id).items()}
+        batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            states = cache.batch(group) if cache else None
-            t1 = time.perf_counter()
             if cache:
-                loss = loss_at_responses(upper_final(raw, states, split), batch["labels"], raw.lm_head)
+                cache.fill(group)
+            t1 = time.perf_counter()
+            if not train.context_grad:
+                loss = detached_context_loss(raw, batch, [cache.get(e) for e in group] if cache else None, split)
+            elif cache:
+                loss = loss_at_responses(upper_final(raw, cache.batch(group), split), batch["labels"], raw.lm_head)
             else:
                 loss = response_loss(raw, batch)
         accelerator.backward(loss)
@@ -289,7 +356,7 @@ def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetT
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
-        cost.observe(missing, t1 - t0, width * len(group), t2 - t1)
+        cost.observe(missing, t1 - t0, padded, t2 - t1)
         progress.steps += 1
         progress.batches += 1
         progress.tokens += int(batch["attention_mask"].sum())

@@ -1,0 +1,107 @@
+"""The target fine-tune's parts, on small literal cases: catalog trimming, example selection,
+the learning-rate schedule, batching, the step-cost budget, and the detached-context loss
+on a random model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from schemafill.toolcall import ToolCall, ToolRequest
+from tests.conftest import tiny_llama
+from train.layer_split import lower_states
+from train.sft import (Example, Progress, StepCost, batches, collate, detached_context_loss, lr_factor,
+                       natural_first, response_loss, split_collate, trim_catalog)
+
+
+def request(tools: list[str], called: list[str]) -> ToolRequest:
+    return ToolRequest(id="r", messages=[{"role": "user", "content": "x"}],
+                       tools=[{"type": "function", "function": {"name": t, "parameters": {}}} for t in tools],
+                       reference=[ToolCall(name, {}) for name in called])
+
+
+def test_trimmed_catalog_keeps_called_tools_in_catalog_order():
+    req = request(["a", "b", "c", "d", "e", "f"], ["e", "b"])
+    trimmed = trim_catalog(req, 3, random.Random(0))
+    names = trimmed.tool_names
+    assert len(names) == 3 and {"b", "e"} <= set(names)
+    assert names == [n for n in "abcdef" if n in names]  # the catalog's own order
+    assert trim_catalog(req, 1, random.Random(0)).tool_names == ["b", "e"]  # never drops a called tool
+    assert trim_catalog(req, 6, random.Random(0)) is req
+    # the distractor is drawn at random, not always the first
+    assert len({trim_catalog(req, 3, random.Random(s)).tool_names[0] for s in range(20)}
+               | {trim_catalog(req, 3, random.Random(s)).tool_names[-1] for s in range(20)}) > 2
+
+
+def test_natural_examples_come_before_compositions():
+    bucket = [Example(f"c{i}", [1], 1, 2, composed=True) for i in range(5)]
+    bucket += [Example(f"n{i}", [1], 1, 2) for i in range(3)]
+    picked = natural_first(bucket, 4, random.Random(0))
+    assert sorted(e.id for e in picked[:3]) == ["n0", "n1", "n2"] and picked[3].composed
+    assert len(natural_first(bucket, 20, random.Random(0))) == 8
+
+
+def test_lr_warms_up_then_decays_to_a_tenth():
+    assert [lr_factor(0.0, s, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(0.0, 4, 4) == pytest.approx(1.0)
+    assert lr_factor(0.5, 10, 4) == pytest.approx(0.55)
+    assert lr_factor(1.0, 10, 4) == pytest.approx(0.1) == lr_factor(3.0, 10, 4)
+
+
+def test_batches_stay_under_the_token_budget_and_cover_every_example():
+    exs = [Example(f"e{i}", [1] * n, 1, 1) for i, n in enumerate([10, 30, 50, 20, 40, 60, 5, 25])]
+    stream = batches(exs, 100, seed=0)
+    epoch = []
+    while sum(len(g) for g in epoch) < len(exs):
+        epoch.append(next(stream))
+    assert sorted(e.id for g in epoch for e in g) == sorted(e.id for e in exs)
+    assert all(len(g) * max(len(e.input_ids) for e in g) <= 100 for g in epoch)
+    with pytest.raises(ValueError, match="no examples"):
+        next(batches([], 100, seed=0))
+
+
+def test_step_cost_prices_first_visits_apart_and_with_a_margin():
+    cost = StepCost(Progress())
+    assert cost.predict(0, 100) is None  # nothing measured yet: no promise
+    cost.observe(lower_tokens=100, lower_s=1.0, upper_tokens=100, upper_s=2.0)
+    assert cost.predict(0, 50) == pytest.approx(1.15 * 1.0)
+    assert cost.predict(100, 100) == pytest.approx(1.15 * 3.0)
+    cost.observe(lower_tokens=0, lower_s=0.0, upper_tokens=100, upper_s=1.0)
+    assert cost.predict(0, 100) == pytest.approx(1.15 * 2.0)  # the slowest recent rate, not the last
+    resumed = StepCost(cost.progress)  # a rerun starts from the saved rates
+    assert resumed.predict(100, 100) == pytest.approx(1.15 * (1.0 + 1.0))
+
+
+def split_examples() -> list[Example]:
+    g = torch.Generator().manual_seed(0)
+    lengths = [(11, 6), (17, 9), (8, 3)]  # (prompt, response): contexts left-padded, tails right-padded
+    return [Example(f"e{i}", torch.randint(5, 500, (p + r,), generator=g).tolist(), p, 1)
+            for i, (p, r) in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("split", [0, 2])
+def test_detached_context_gives_the_exact_loss_and_cuts_only_the_context_kv_path(attn, split):
+    model = tiny_llama(vocab_size=512, seed=3, num_hidden_layers=3, attn_implementation=attn)
+    model.requires_grad_(False)
+    top = model.model.layers[-1]
+    params = {"mlp": top.mlp.down_proj.weight, "q": top.self_attn.q_proj.weight,
+              "k": top.self_attn.k_proj.weight, "v": top.self_attn.v_proj.weight}
+    for p in params.values():
+        p.requires_grad_(True)
+    exs = split_examples()
+    exact = response_loss(model, collate(exs, pad_id=0))
+    exact_grads = dict(zip(params, torch.autograd.grad(exact, list(params.values()))))
+    states = [lower_states(model, e.input_ids, split) for e in exs] if split else None  # the frozen layers' cache
+    detached = detached_context_loss(model, split_collate(exs, pad_id=0), states, split)
+    grads = dict(zip(params, torch.autograd.grad(detached, list(params.values()))))
+    assert torch.allclose(detached, exact, atol=1e-6)
+    # in the top layer nothing of the context's *outputs* reaches the loss, only its keys and
+    # values: the MLP's and the queries' gradients are the exact ones, the keys' and values' not
+    for name in ("mlp", "q"):
+        assert torch.allclose(grads[name], exact_grads[name], atol=1e-6), name
+    for name in ("k", "v"):
+        assert not torch.allclose(grads[name], exact_grads[name], atol=1e-4), name
+        assert grads[name].abs().sum() > 0  # the responses' own keys and values still learn

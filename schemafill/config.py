@@ -95,7 +95,7 @@ class TargetTrainConfig:
     max_seq_len: int = 1024  # longer examples are skipped and counted, never truncated
     compositions: float = 1.0  # multi-call compositions per referenced request
     call_mix: list[float] = field(default_factory=lambda: [0.15, 0.25, 0.3, 0.3])  # shares of 1, 2, 3, 4+ calls
-    compose_max_catalog: int = 2  # compose only requests with at most this many tools
+    compose_max_catalog: int = 2  # compose only requests with at most this many tools (after max_catalog's trim)
     # train on catalogs of at most this many tools: the called ones plus distractors drawn at
     # random (0 = the corpus' own). Evaluation catalogs hold 1-4 tools; the training pool's
     # average 8, which makes its prompts twice as long as the ones the target will serve
@@ -105,8 +105,8 @@ class TargetTrainConfig:
     # with frozen embeddings and trainable_layers > 0: run the frozen lower layers once per
     # example and train the top ones on their stored output (exact; later epochs cost less)
     cache_frozen: bool = True
-    # with the cache: false runs each prompt through the trained layers without grad (only the
-    # response positions backpropagate): the same loss, a gradient without the prompt's K/V path
+    # false runs each prompt through the trained layers without grad (only the response
+    # positions backpropagate): the same loss, a gradient without the prompt's K/V path
     context_grad: bool = True
     max_examples: int = 0  # fine-tune on at most this many examples, call_mix kept (0 = all)
     # bf16 autocast on CPU: auto = only where the host computes bf16 natively (AVX512-BF16 or

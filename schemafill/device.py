@@ -59,10 +59,10 @@ def bf16_decision(setting: str, device_type: str, capability: str, avx512_bf16: 
     setting = str(setting).lower()
     if setting not in SETTINGS:
         raise ValueError(f"bf16 setting must be one of {SETTINGS}, got {setting!r}")
+    if device_type == "cuda":  # the setting is the CPU's: a GPU computes bf16 natively or not at all
+        return cuda_bf16, "CUDA bf16" if cuda_bf16 else "this GPU has no bf16"
     if setting != "auto":
         return setting == "true", f"forced ({setting})"
-    if device_type == "cuda":
-        return cuda_bf16, "CUDA bf16" if cuda_bf16 else "this GPU has no bf16"
     if avx512_bf16 is None and amx is None:
         if probe_ratio is None:
             return False, f"CPU {capability}: bf16 support unknown, fp32"
@@ -108,7 +108,7 @@ def cpu_bf16_native() -> tuple[bool, str]:
 def use_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
     """The bf16 decision for ``device`` under ``setting`` (auto | true | false)."""
     if str(setting).lower() == "auto" and device.type == "cpu":
-        return cpu_bf16_native()
+        return cpu_bf16_native()  # cached: the flags, or the timed probe, once per process
     cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     return bf16_decision(setting, device.type, torch.backends.cpu.get_cpu_capability(), None, None,
                          os.environ.get("ONEDNN_MAX_CPU_ISA"), cuda_bf16=cuda_bf16)

@@ -40,7 +40,8 @@ def engine_layer_ids(aux_layer_ids: list[int] | tuple[int, ...]) -> dict[str, li
     if ids != list(aux_layer_ids):
         raise ValueError(f"aux_layer_ids must be ascending (the engines capture in layer order): {aux_layer_ids}")
     if ids and ids[0] < 1:
-        raise ValueError("aux layer 0 (the embeddings) cannot be written in SGLang's numbering")
+        raise ValueError(f"aux layer {ids[0]} cannot be written in SGLang's numbering (layer 0, the "
+                         "embeddings, would be -1 there): use ids >= 1")
     return {"vllm": ids, "sglang": [i - 1 for i in ids]}
 
 

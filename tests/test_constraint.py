@@ -3,6 +3,7 @@ speculative decoder equal to constrained AR, with outputs the grammar (and our p
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from infer.constraint import SchemaGrammars, json_schema, minimal_value, response_schema, valid_response
@@ -151,6 +152,7 @@ def masked_greedy(model, tok, grammar, prompt: list[int], steps: int, close_at: 
     return ids
 
 
+@pytest.mark.slow  # 70-115 s on 2 AVX2 cores: `make test-full`
 def test_constrained_ar_equals_a_plain_masked_greedy_loop_and_forced_tokens_save_calls(smol_tokenizer, tmp_path):
     tok = smol_tokenizer
     model = tiny_llama(seed=4, num_hidden_layers=4)  # this one starts a call (seed 3 writes no call)
@@ -191,6 +193,7 @@ def test_valid_response_checks_the_schema_not_just_json():
     assert not valid_response(good[:-2], fn)  # unclosed
 
 
+@pytest.mark.slow  # 70-115 s on 2 AVX2 cores: `make test-full`
 def test_builtin_model_every_decoder_equals_constrained_ar_and_every_output_validates(base_target):
     target, tok, eos = base_target
     grammars = SchemaGrammars(tok, target.config.vocab_size, close_at=48)  # closing from ~token 21

@@ -37,6 +37,9 @@ def test_true_and_false_force_it_whatever_the_host():
 def test_cuda_and_hosts_torch_cannot_describe():
     assert bf16_decision("auto", "cuda", "AVX2", None, None, None)[0] is True
     assert bf16_decision("auto", "cuda", "AVX2", None, None, None, cuda_bf16=False)[0] is False
+    # bf16_autocast_cpu is the CPU's setting: forcing it leaves a GPU as it is
+    assert bf16_decision("false", "cuda", "AVX2", None, None, None)[0] is True
+    assert bf16_decision("true", "cuda", "AVX2", None, None, None, cuda_bf16=False)[0] is False
     # off x86 torch has no flags: a timed probe decides, and without one, fp32
     assert bf16_decision("auto", "cpu", "SVE256", None, None, None, probe_ratio=0.6)[0] is True
     assert bf16_decision("auto", "cpu", "DEFAULT", None, None, None, probe_ratio=31.0)[0] is False

@@ -214,6 +214,7 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
     assert torch.allclose(out[0], expected, atol=1e-4)
 
 
+@pytest.mark.slow  # 70-115 s on 2 AVX2 cores: `make test-full`
 def test_builtin_model_recycled_copies_are_lossless_and_save_calls(base_target):
     """Values copied from the request: MAIN's recycled chains cut target calls, output unchanged."""
     target, tok, eos = base_target

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemafill.config import to_dataclass
+from schemafill.device import cpu_bf16_native
 from schemafill.models import target_location
 from schemafill.tracking import NullTracker
 from tests.conftest import compose
-from schemafill.device import cpu_bf16_native
 from train.target import QualityGateError, build_target, locate_gguf, quality_failures, stratified
 
 
@@ -39,7 +39,7 @@ def micro(artifacts, *extra: str):
     ]))
 
 
-def test_micro_finetune_gate_resume_override_and_cache(builtin_artifacts):
+def test_micro_finetune_gate_resume_override_and_cache(builtin_artifacts, monkeypatch):
     """Two steps leave a target far below the floors: the stage stops, naming the figures and
     the knob, and keeps its state; a larger budget continues it; the override lets it through."""
     out = builtin_artifacts / "targets" / "smollm2-135m"
@@ -58,7 +58,10 @@ def test_micro_finetune_gate_resume_override_and_cache(builtin_artifacts):
     assert resumed["tokens"] > measured["train"]["tokens"]
 
     cfg = micro(builtin_artifacts, "train.target.max_steps=3", "train.target.allow_low_quality=true")
-    result = build_target(cfg, tracker=NullTracker())  # measured already: neither trained nor decoded again
+    with monkeypatch.context() as m:  # measured already: neither trained nor decoded again
+        for name in ("finetune", "measure_quality"):
+            m.setattr(f"train.target.{name}", lambda *a, **k: pytest.fail("trained or decoded again"))
+        result = build_target(cfg, tracker=NullTracker())
     assert result["cached"] is False and result["train"]["steps"] == 3 and result["valid_json_rate"] < 0.9
     assert target_location(cfg.model, cfg.paths.artifacts) == str(out)
     quality = json.loads((out / "quality.json").read_text())

@@ -3,6 +3,7 @@ random model and on the built-in model, where its FSM and retrieval cut target c
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from infer.decoders.ar import decode_ar
@@ -42,6 +43,7 @@ def test_lossless_on_a_random_model(tiny_target):
         assert ts.decode(request(name), ids).ids == decode_ar(target, tok, ids, 24, eos).ids
 
 
+@pytest.mark.slow  # 70-115 s on 2 AVX2 cores: `make test-full`
 def test_lossless_and_fewer_calls_on_the_builtin_model(builtin_artifacts):
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"
     tok = load_tokenizer(str(folder))

@@ -5,7 +5,8 @@ example never changes during training: it is computed once (no grad) and every l
 of the example runs only the trainable upper layers. On a CPU that computes in fp32 the
 forward through the frozen layers is most of a training step, so an example seen again
 costs a fraction of its first visit (the built-in target with its top 4 of 30 layers
-trained, fp32 on 2 AVX2 cores: ~160 tokens/s on a first visit, ~460 on later ones).
+trained, fp32 on 2 AVX2 cores: ~160 tokens/s on a first visit, ~460 on later ones;
+``train=cpu`` trains 16, its first visits dominate).
 
 ``upper_final_detached_context`` runs the top layers over a context (the prompt) without
 grad and over the tail (the response) with it, reading the context's keys and values as a
@@ -80,8 +81,7 @@ class _ContextKV:
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, 1, Q, K] additive mask from a boolean one (finfo.min, not -inf: a query with no
-    key allowed, a padding row, gets a harmless uniform softmax instead of NaN)."""
+    """[B, 1, Q, K] additive mask (finfo.min where not allowed) from a boolean [B, Q, K] one."""
     zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return zeros.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
@@ -99,6 +99,9 @@ def upper_final_detached_context(model: Any, context: torch.Tensor, tail: torch.
     real = mask.bool()  # [B, C + R]
     causal = torch.ones(c + r, c + r, dtype=torch.bool, device=mask.device).tril()  # [C + R, C + R]
     allowed = causal[None] & real[:, None, :]  # [B, C + R, C + R]: query i sees real keys j <= i
+    # a padding query sees itself too: no row is all masked, so no softmax can turn NaN where a
+    # low-precision kernel rounds the mask to -inf (real queries never see padding keys)
+    allowed |= torch.eye(c + r, dtype=torch.bool, device=mask.device)[None]
     kv = _ContextKV()
     with torch.no_grad():
         rotary = inner.rotary_emb(context, position_ids=positions[:, :c])
@@ -106,6 +109,9 @@ def upper_final_detached_context(model: Any, context: torch.Tensor, tail: torch.
         for layer in inner.layers[split:]:
             hidden = layer(hidden, attention_mask=context_mask, position_embeddings=rotary,
                            position_ids=positions[:, :c], cache=kv)
+    if len(kv.kv) != len(inner.layers) - split:  # a transformers whose layers take the cache under another name
+        raise RuntimeError(f"the decoder layers stored {len(kv.kv)} of {len(inner.layers) - split} layers' keys "
+                           "and values: this transformers version does not pass `cache=` to attention")
     kv.recording = False
     rotary = inner.rotary_emb(tail, position_ids=positions[:, c:])
     hidden, tail_mask = tail, _additive(allowed[:, c:], tail.dtype)

@@ -19,12 +19,12 @@ from omegaconf import DictConfig
 
 from data_gen.run import build_continuations, build_requests
 from infer.eval import build_eval
-from train.eagle3 import build_head
-from train.target import QualityGateError, build_target
 from schemafill import atomic
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
 from schemafill.device import host_summary
 from schemafill.tracking import NullTracker, start_run
+from train.eagle3 import build_head
+from train.target import QualityGateError, build_target
 
 # Stage name → runner(cfg, tracker) -> dict
 RUNNERS = {"requests": build_requests, "target": build_target, "continuations": build_continuations,

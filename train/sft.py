@@ -191,7 +191,7 @@ class Progress:
     steps: int = 0
     batches: int = 0  # drawn from the example stream; a resumed run skips them
     seconds: float = 0.0  # training wall time, summed over every run
-    tokens: int = 0  # padded tokens trained on
+    tokens: int = 0  # real (unpadded) tokens trained on
     losses: list[float] = field(default_factory=list)
     # seconds per token of the last steps, for the budget's estimate of the next one
     lower_rate: float = 0.0  # frozen layers, once per example

@@ -178,12 +178,13 @@ def check_quality(q: dict, train: TargetTrainConfig, kept: Path) -> None:
         print(f"[target] below the quality floors, going on (train.target.allow_low_quality=true): {'; '.join(failures)}")
         return
     steps, minutes = q["train"]["steps"], q["train"]["train_seconds"] / 60
+    knob = (f"train.target.max_steps={2 * train.max_steps} (was {train.max_steps})"
+            if q["train"]["stopped_by"] == "max_steps" else
+            f"train.target.max_minutes={2 * train.max_minutes:g} (was {train.max_minutes:g})")
     raise QualityGateError(
         f"the fine-tuned target is below the quality floors after {steps} steps ({minutes:.1f} min): "
         f"{'; '.join(failures)}.\nIts weights and optimizer state are kept in {kept}; a rerun with a larger budget "
-        f"continues from them, e.g. train.target.max_minutes={2 * train.max_minutes:g} (was {train.max_minutes:g})"
-        f"{f' or train.target.max_steps={2 * train.max_steps}' if q['train']['stopped_by'] == 'max_steps' else ''}. "
-        "To go on with this target anyway: train.target.allow_low_quality=true.")
+        f"continues from them, e.g. {knob}. To go on with this target anyway: train.target.allow_low_quality=true.")
 
 
 # ------------------------------------------------------------------------- checkpoint
@@ -207,12 +208,20 @@ def load_checkpoint(folder: Path, model: Any) -> tuple[Progress | None, dict | N
     if not (state / "progress.json").is_file():
         return None, None
     weights = load_file(str(state / "trainable.safetensors"))
-    missing = set(weights) - {n for n, _ in model.named_parameters()}
-    if missing:
-        raise ValueError(f"checkpoint {state} does not fit this model: {sorted(missing)[:3]} ...")
+    # the model is not frozen yet (finetune freezes it), so only the names can be checked here
+    unexpected = sorted(set(weights) - {n for n, _ in model.named_parameters()})
+    if unexpected:
+        raise ValueError(f"checkpoint {state} does not fit this model: {len(unexpected)} parameters it lacks, "
+                         f"e.g. {unexpected[:2]}")
     model.load_state_dict(weights, strict=False)
     progress = Progress(**json.loads((state / "progress.json").read_text()))
     return progress, torch.load(state / "optimizer.pt", weights_only=True)
+
+
+def checkpoint_steps(folder: Path) -> int | None:
+    """The optimizer steps a saved fine-tune has taken (None when there is none)."""
+    progress = folder / "state" / "progress.json"
+    return json.loads(progress.read_text())["steps"] if progress.is_file() else None
 
 
 # ------------------------------------------------------------------------- stage
@@ -236,20 +245,22 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
               "seed": cfg.seed, "data": file_digest(train_file), "recipe": 2}
     fp = fingerprint({**recipe, "budget": {k: v for k, v in settings.items() if k in BUDGET_KEYS and k not in GATE_KEYS},
                       "max_new_tokens": cfg.decode.max_new_tokens, "eval": file_digest(eval_file)})
+    ckpt = Path(cfg.paths.artifacts) / "targets" / ".checkpoints" / f"{cfg.model.name}-{fingerprint(recipe)}"
     if is_fresh(out, fp, OUTPUTS):
         result = json.loads((out / "quality.json").read_text())
         print(f"[target] up to date in {out} (fingerprint {fp})")
-        check_quality(result, tc, out)
+        check_quality(result, tc, ckpt)
         return {**result, "cached": True}
-    ckpt = Path(cfg.paths.artifacts) / "targets" / ".checkpoints" / f"{cfg.model.name}-{fingerprint(recipe)}"
     measured = ckpt / "quality.json"
     result = json.loads(measured.read_text()) if measured.is_file() else None
+    if result is not None and (result.get("fingerprint") != fp or checkpoint_steps(ckpt) != result["train"]["steps"]):
+        result = None  # measured under another budget, or the state has moved on since: train / measure again
     base = convert_gguf(locate_gguf(cfg.model.source, cfg.model.gguf_file),
                         Path(cfg.paths.artifacts) / "targets" / f"{cfg.model.name}-base")
     tokenizer = load_tokenizer(str(base))
     device = resolve_device()
     model = load_model(str(base), torch.float32, device)  # fp32 master weights; bf16 only by autocast
-    if result is not None and result.get("fingerprint") == fp:  # this very budget was trained and measured
+    if result is not None:  # this very budget was trained and measured
         load_checkpoint(ckpt, model)
         print(f"[target] {ckpt} holds this fine-tune, measured: {_summary(result)}")
     else:

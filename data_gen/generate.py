@@ -14,6 +14,12 @@ shard atomically the moment its last request finishes; finished shards are skipp
 rerun; under ``accelerate launch --num_processes N`` process i takes shards i, i+N, ... .
 The main process merges the shards once into a ``datasets`` dataset with columns
 ``id, input_ids, loss_mask, prompt_len, response_text``, rows sorted by id.
+
+With ``data.continuations.features`` the generator also keeps the target's features of
+every token it computed (``schemafill.generate``: the forwards that wrote the responses
+already hold them); each shard stores them beside its rows and the merge writes them as a
+``features/`` feature cache in dataset order, which the head stage reads instead of
+running the target over the rows again.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from schemafill import atomic
 from schemafill.compose import compositions
 from schemafill.config import PipelineConfig, to_dict
 from schemafill.device import resolve_device, resolve_dtype
+from schemafill.feature_cache import FEATURES, FeatureCache, RowFeatures
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.generate import generate
 from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
@@ -90,6 +98,8 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
     """Generate every request of ``shards`` in one continuously batched stream; each shard
     is written (atomically) the moment its last request finishes."""
     rows: dict[int, list[dict]] = {s: [] for s in shards}
+    captured: dict[int, dict[str, dict]] = {s: {} for s in shards}  # shard -> id -> features
+    capture = cfg.data.continuations.features
     left = {s: sum(prompts[j] is not None for j in idx) for s, idx in shards.items()}
     stream = [(s, j) for s, idx in shards.items() for j in idx if prompts[j] is not None]
     clock = {"last": time.perf_counter(), "tokens": 0, "start": time.perf_counter()}
@@ -100,6 +110,9 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
                             for j in shards[s] if prompts[j] is None],
                 "seconds": now - clock["last"]}  # the stream's time since the previous shard
         clock["last"] = now
+        if capture:  # before the rows: a shard's .jsonl is what marks it done
+            with atomic.atomic_path(work / f"shard_{s:05d}.features.pt") as tmp:
+                torch.save(captured.pop(s), tmp)
         atomic.write_jsonl(work / f"shard_{s:05d}.jsonl", [{"_meta": meta}] + rows[s])
 
     def done(k: int, g: Any) -> None:
@@ -108,6 +121,8 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
         rows[s].append({"id": r.id, "input_ids": ids + g.ids, "loss_mask": [0] * len(ids) + [1] * len(g.ids),
                         "prompt_len": len(ids), "response_text": g.text, "stop": g.stop,
                         "composed": r.source == "composed", "prefilled": g.prefilled})
+        if capture:
+            captured[s][r.id] = {"aux": g.aux, "final": g.final}
         left[s] -= 1
         if left[s] == 0:
             write(s)
@@ -119,7 +134,7 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
         if left[s] == 0:
             write(s)
     generate(target, tokenizer, [prompts[j] for _, j in stream], cfg.decode.max_new_tokens,
-             cfg.data.continuations.batch_size, eos=eos, on_done=done)
+             cfg.data.continuations.batch_size, eos=eos, on_done=done, capture=capture)
 
 
 def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
@@ -135,10 +150,12 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     dtype = resolve_dtype(m.dtype, device)
     model_key = {"source": location, "revision": m.revision, "dtype": str(dtype),
                  "prompt_style": m.prompt_style, "chat": m.chat_template_kwargs, "max_context": m.max_context}
+    if cfg.data.continuations.features:
+        model_key["aux_layer_ids"] = list(m.aux_layer_ids)
     fp = fingerprint({"model": model_key, "target": target_fp, "gen": to_dict(cfg.data.continuations),
                       "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
                       "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 2})
-    if is_fresh(out, fp, OUTPUTS):
+    if is_fresh(out, fp, OUTPUTS + ([f"{FEATURES}/meta.json"] if cfg.data.continuations.features else [])):
         stats = json.loads((out / "stats.json").read_text())
         if state.is_main_process:
             print(f"[continuations] up to date in {out} (fingerprint {fp}): {stats['rows']} rows")
@@ -158,7 +175,8 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     state.wait_for_everyone()  # everyone counted finished shards before anyone writes new ones
     t0 = time.perf_counter()
     if todo:
-        target = load_runtime(location, dtype, device, revision=m.revision)  # no features needed: default aux ids
+        aux = m.aux_layer_ids if cfg.data.continuations.features else None  # else the defaults: unused
+        target = load_runtime(location, dtype, device, aux, revision=m.revision)
         eos = generation_eos(location, tokenizer, m.revision)
         bar = tqdm(total=sum(prompts[j] is not None for i in todo for j in plan[i]),
                    desc=f"continuations[{state.process_index}]", unit="req", dynamic_ncols=True,
@@ -167,7 +185,9 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
         bar.close()
     state.wait_for_everyone()
     if state.is_main_process:
-        stats = merge(work, len(plan), len(requests), out, time.perf_counter() - t0, fp, reused)
+        source = {"aux_layer_ids": list(m.aux_layer_ids), "dtype": str(dtype), "stage": "continuations"}
+        stats = merge(work, len(plan), len(requests), out, time.perf_counter() - t0, fp, reused,
+                      features=source if cfg.data.continuations.features else None)
         shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
     state.wait_for_everyone()  # no rank moves on (e.g. to the head stage) before the merge is on disk
     if not state.is_main_process:
@@ -178,8 +198,10 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     return {**stats, "cached": False}
 
 
-def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: str, reused: int) -> dict:
-    """All shards → one dataset (atomically) and its statistics."""
+def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: str, reused: int,
+          features: dict | None = None) -> dict:
+    """All shards → one dataset (atomically) and its statistics; with ``features`` (their
+    provenance) also the shards' captured features as one feature cache in row order."""
     import datasets
 
     rows, skipped, gen_seconds = [], [], 0.0
@@ -217,6 +239,27 @@ def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: st
     ds = datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in columns})
     with atomic.atomic_path(out) as tmp:
         ds.save_to_disk(str(tmp))
+        if features is not None:
+            write_features(work, shards, rows, tmp / FEATURES, features)
         atomic.write_json(tmp / "stats.json", stats)
         write_manifest(tmp, fp, stage="continuations")
     return stats
+
+
+def write_features(work: Path, shards: int, rows: list[dict], folder: Path, source: dict) -> FeatureCache:
+    """The shards' captured features as one cache, in the order of ``rows`` (the dataset's)."""
+    captured: dict[str, dict] = {}
+    for i in range(shards):
+        captured.update(torch.load(work / f"shard_{i:05d}.features.pt"))
+    first = next(iter(captured.values()), None)
+    aux_dim = first["aux"].shape[-1] if first else 0
+    hidden = first["final"].shape[-1] if first else 0
+
+    def row_features(r: dict) -> RowFeatures:
+        c, start = captured.pop(r["id"]), r["prompt_len"] - 1
+        # the target's greedy choice at each response position is the token it wrote next
+        return RowFeatures(aux=c["aux"], final=c["final"], start=start,
+                           argmax=torch.tensor(r["input_ids"][start + 1:]))
+
+    return FeatureCache.write(folder, [len(r["input_ids"]) for r in rows], aux_dim, hidden,
+                              map(row_features, rows), source)

@@ -17,6 +17,10 @@ wasted inside it:
   of the previous request's common prefix (copied between rows, or kept in place when
   it takes over that very row) and prefills only the rest. On the BFCL training pool this
   skips about half of all prompt tokens.
+
+With ``capture=True`` each generation also carries the target's features of its own tokens
+(aux hidden states, final hidden state, argmax: what an EAGLE-3 head trains on), taken from
+the forwards that produced it, so nobody has to run the target over the rows again.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class Generation:
     text: str  # response text, special tokens skipped
     stop: str  # closed | eos | length
     prefilled: int = 0  # prompt tokens computed for it (the rest came from a shared prefix)
+    # with capture (fp16, CPU): aux of positions 0..L-2 (the last token was never fed back),
+    # final of positions P-1..L-2 (P prompt, L prompt + response tokens); their argmax is ids
+    aux: torch.Tensor | None = None  # [L-1, 3·H]
+    final: torch.Tensor | None = None  # [L-P, H]
 
 
 @dataclass
@@ -46,6 +54,8 @@ class _Row:
     pending: int  # the newest token: emitted, not yet in the arena
     stop: Any  # ResponseStop or a caller's rule with its interface
     prefilled: int
+    aux: list[torch.Tensor] | None = None  # captured chunks, [n, 3·H] each
+    final: list[torch.Tensor] | None = None  # [n, H] each
 
 
 def prefix_order(prompts: list[list[int]]) -> list[int]:
@@ -66,11 +76,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
              eos: frozenset[int] | None = None,
              on_done: Callable[[int, Generation], None] | None = None,
-             make_stop: Callable[[int], Any] | None = None) -> list[Generation]:
+             make_stop: Callable[[int], Any] | None = None, capture: bool = False) -> list[Generation]:
     """Greedy responses for every prompt (admitted in the given order), returned in input
     order; ``on_done(index, generation)`` is called as each one finishes. ``make_stop(index)``
     replaces the response stopping rule with another object of ``ResponseStop``'s interface
-    (``push``, ``done``, ``ids``, ``text``, ``reason``)."""
+    (``push``, ``done``, ``ids``, ``text``, ``reason``). ``capture`` keeps each token's
+    features (``Generation.aux``, ``.final``)."""
     eos = eos_token_ids(tokenizer) if eos is None else eos
     if make_stop is None:
         def make_stop(_: int) -> ResponseStop:
@@ -83,6 +94,10 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
     rows: list[_Row | None] = [None] * arena.rows
     queue = deque(range(len(prompts)))
     holder: tuple[int, list[int]] | None = None  # (row, prompt) of the newest admission: its prompt KV is intact
+    holder_aux: torch.Tensor | None = None  # [P, 3·H] the holder's prompt features (capture)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu", torch.float16)
 
     def push(r: int, token: int) -> None:
         row = rows[r]
@@ -90,7 +105,9 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         if row.stop.done:
             s = row.stop
             out[row.index] = Generation(ids=list(s.ids), text=s.text, stop=s.reason or "length",
-                                        prefilled=row.prefilled)
+                                        prefilled=row.prefilled,
+                                        aux=torch.cat(row.aux) if capture else None,
+                                        final=torch.cat(row.final) if capture else None)
             rows[r] = None
             if on_done is not None:
                 on_done(row.index, out[row.index])
@@ -98,7 +115,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
             row.pending = token
 
     def admit(r: int, i: int) -> None:
-        nonlocal holder
+        nonlocal holder, holder_aux
         p = prompts[i]
         shared = 0
         if holder is not None:
@@ -112,6 +129,9 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         holder = (r, p)
         rows[r] = _Row(index=i, length=len(p), pending=-1, stop=make_stop(i),
                        prefilled=len(p) - shared)
+        if capture:  # same tokens at the same positions: the shared prefix's features are the holder's
+            holder_aux = torch.cat([holder_aux[:shared], keep(f.aux[0])]) if shared else keep(f.aux[0])
+            rows[r].aux, rows[r].final = [holder_aux], [keep(f.final[0])]
         push(r, int(f.logits[0, 0].argmax()))
 
     while queue or any(row is not None for row in rows):
@@ -128,7 +148,12 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         index = None if len(active) == arena.rows else torch.tensor(active, device=device)
         spans = [(r, rows[r].length + 1) for r in active]
         f = target(tokens, pos, visible, pos, arena, rows=index, spans=spans)
-        for r, token in zip(active, f.logits[:, 0].argmax(-1).tolist()):
+        aux = keep(f.aux) if capture else None  # [A, 1, 3·H]
+        final = keep(f.final) if capture else None  # [A, 1, H]
+        for b, (r, token) in enumerate(zip(active, f.logits[:, 0].argmax(-1).tolist())):
             rows[r].length += 1
+            if capture:
+                rows[r].aux.append(aux[b])
+                rows[r].final.append(final[b])
             push(r, token)
     return out  # type: ignore[return-value]

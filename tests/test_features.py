@@ -11,7 +11,8 @@ import torch
 
 from schemafill.runtime import from_hf_model
 from tests.conftest import tiny_llama
-from train.features import FeatureCache, target_features
+from schemafill.feature_cache import FeatureCache
+from train.features import target_features
 
 AUX = [0, 1, 1]
 

@@ -127,3 +127,39 @@ def test_call_quality_metrics():
     assert q["exact_match"] == 1 / 3 and q["mean_calls"] == 1.0 and q["mean_reference_calls"] == 2
     assert exact_match(req.reference, list(reversed(req.reference)))
     assert not exact_match(req.reference, req.reference[:1])
+
+
+def test_captured_features_equal_a_full_forward_over_each_row():
+    """With capture, each generation carries the features of its own tokens — through
+    refills, prefixes copied between rows and prefixes kept in place — equal to one
+    transformers forward over prompt + response where a head's loss reads them."""
+    from train.features import target_features
+
+    aux_ids = [0, 1, 1]
+    model = tiny_llama(vocab_size=300, seed=3)
+    target = from_hf_model(model, aux_layer_ids=aux_ids)
+    rng = random.Random(1)
+    stem = [rng.randrange(3, 300) for _ in range(8)]
+    prompts = [stem + [rng.randrange(3, 300) for _ in range(n)] for n in (1, 5, 3)] + [stem, [7, 8, 9]]
+
+    class Tok:
+        eos_token_id, pad_token_id = -1, 0
+
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    order = prefix_order(prompts)
+    gens = generate(target, Tok, [prompts[i] for i in order], max_new_tokens=9, batch_size=2, capture=True)
+    assert sum(g.prefilled for g in gens) < sum(map(len, prompts))  # prefixes were shared
+    for i, g in zip(order, gens):
+        row = prompts[i] + g.ids
+        ref = target_features(model, torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long), aux_ids)
+        p = len(prompts[i])
+        assert g.aux.dtype == torch.float16 and g.aux.shape == (len(row) - 1, ref.aux.shape[-1])
+        assert torch.allclose(g.aux.float(), ref.aux[0, :-1], atol=2e-3)
+        assert g.final.shape == (len(g.ids), ref.final.shape[-1])
+        assert torch.allclose(g.final.float(), ref.final[0, p - 1:-1], atol=2e-3)
+        assert ref.argmax[0, p - 1:-1].tolist() == g.ids  # the greedy choice is the token written next
+    plain = generate(target, Tok, [prompts[i] for i in order], max_new_tokens=9, batch_size=2)
+    assert [g.ids for g in plain] == [g.ids for g in gens] and plain[0].aux is None

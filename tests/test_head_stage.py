@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,8 +42,6 @@ def tiny_continuations(builtin_artifacts, tiny_target, tmp_path_factory):
 
 
 def clone(art, dst):
-    import shutil
-
     shutil.copytree(art / "requests", dst / "requests")
     shutil.copytree(art / "continuations", dst / "continuations")
     return dst
@@ -65,6 +64,44 @@ def test_head_trains_exports_and_reports(tiny_continuations, tiny_target, tmp_pa
     assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))
     head = load_head(out, torch.nn.Embedding(49152, 64), torch.ones(8))
     assert head.t2d.sum() == 512
+
+
+def test_features_captured_by_continuations_feed_the_head(tiny_continuations, tiny_target, tmp_path, monkeypatch):
+    """Continuations that keep their features give the head the same features a rerun of
+    the target over the rows would (where the loss reads them), and the head stage uses
+    them instead of running the target again."""
+    import datasets
+    import numpy as np
+
+    from schemafill.feature_cache import FeatureCache
+    from schemafill.runtime import from_hf_model
+    from transformers import AutoModelForCausalLM
+
+    art = tmp_path / "captured"
+    shutil.copytree(tiny_continuations / "requests", art / "requests")
+    cfg = to_dataclass(compose(args_for(art, tiny_target, "data.continuations.features=true",
+                                        "train.head.feature_cache=true")))
+    build_continuations(cfg)
+    cont = art / "continuations" / "tiny"
+    rows = datasets.load_from_disk(str(cont)).to_list()
+    captured = FeatureCache(cont / "features")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    built = FeatureCache.build(tmp_path / "built", from_hf_model(model, [1, 2, 3]), [r["input_ids"] for r in rows],
+                               [r["prompt_len"] - 1 for r in rows])
+    assert captured.offsets == built.offsets
+    for i, r in enumerate(rows):
+        o, e, s = captured.offsets[i], captured.offsets[i + 1], captured.offsets[i] + r["prompt_len"] - 1
+        a = lambda m, lo, hi: np.asarray(m[lo:hi], dtype=np.float32)  # noqa: E731
+        assert np.allclose(a(captured.aux, o, e - 1), a(built.aux, o, e - 1), atol=2e-3)  # the last token: never fed
+        assert np.allclose(a(captured.final, s, e - 1), a(built.final, s, e - 1), atol=2e-3)
+        assert captured.argmax[s:e - 1].tolist() == built.argmax[s:e - 1].tolist()
+
+    def no_rerun(*_, **__):
+        raise AssertionError("the head stage ran the target over rows whose features it had")
+
+    monkeypatch.setattr(FeatureCache, "build", no_rerun)
+    metrics = build_head(cfg)
+    assert metrics["optimizer_steps"] > 0 and metrics["heldout_loss"] > 0
 
 
 def test_resume_after_kill_matches_an_uninterrupted_run(tiny_continuations, tiny_target, tmp_path):

@@ -32,12 +32,13 @@ from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
 from schemafill.device import cpu_bf16_native, resolve_dtype
 from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
+from schemafill.feature_cache import FEATURES, FeatureCache, Features
 from schemafill.fingerprint import fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.losses import ttt_loss
 from schemafill.models import load_model, load_tokenizer, target_location
 from schemafill.runtime import from_hf_model
 from schemafill.stopping import eos_token_ids
-from train.features import Features, FeatureCache, target_features
+from train.features import target_features
 
 OUTPUTS = ["config.json", "model.safetensors", "train_metrics.json"]
 
@@ -165,6 +166,20 @@ def evaluate(head: Eagle3Head, batcher: Batcher, lengths: list[int], held: list[
             "heldout_positions": [count[k] for k in range(cfg.drafter.horizons)]}
 
 
+def captured_features(cont: Path, aux_layer_ids: list[int], dtype: torch.dtype, rows: int) -> FeatureCache | None:
+    """The features the continuations stage kept while it generated the rows, when they
+    came from these aux layers at this dtype (else None: the head stage computes its own)."""
+    folder = cont / FEATURES
+    if not FeatureCache.exists(folder):
+        return None
+    cache = FeatureCache(folder)
+    source = cache.meta.get("source", {})
+    if source.get("aux_layer_ids") != list(aux_layer_ids) or source.get("dtype") != str(dtype) \
+            or len(cache.offsets) != rows + 1:
+        return None
+    return cache
+
+
 def latest_checkpoint(folder: Path) -> tuple[Path | None, int]:
     steps = [(int(p.name.split("_")[1]), p) for p in folder.glob("step_*") if (p / "progress.json").is_file()]
     if not steps:
@@ -213,8 +228,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     size = min(dc.draft_vocab_size, vocab_size)
     vocab = draft_vocab(rows, train_idx, vocab_size, size, sorted(eos_token_ids(tokenizer, target.generation_config)),
                         out.parent / ".vocab" / f"{cfg.model.name}-{fingerprint([data_fp, vocab_size, size, tokenizer.name_or_path])}.pt")
-    cache = None
-    if hc.feature_cache:
+    cache = captured_features(cont, cfg.model.aux_layer_ids, target.dtype, len(rows)) if hc.feature_cache else None
+    if hc.feature_cache and cache is None:
         key = fingerprint([data_fp, cfg.model.aux_layer_ids, str(target.dtype), hc.max_seq_len, "runtime"])
         folder = out.parent / ".features" / f"{cfg.model.name}-{key}"
         if not FeatureCache.exists(folder):
@@ -224,6 +239,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                                    [min(r["prompt_len"] - 1, len(x) - 1) for r, x in zip(rows, ids)])
             accelerator.wait_for_everyone()
         cache = FeatureCache(folder)
+    if cache is not None:
+        print(f"[head] target features from {cache.folder}")
     batcher = Batcher(rows, target, cache, cfg.model.aux_layer_ids, vocab.to(accelerator.device), hc.max_seq_len,
                       accelerator.device)
 

@@ -29,7 +29,7 @@ def eval_cfg(tmp_path, tiny_target, tiny_head, builtin_artifacts, *extra):
 def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_head, builtin_artifacts, capsys):
     from infer.eval import build_eval
 
-    cfg = eval_cfg(tmp_path, tiny_target, tiny_head, builtin_artifacts, "eval.temperature=1.0",
+    cfg = eval_cfg(tmp_path, tiny_target, tiny_head, builtin_artifacts, "eval.temperature=1.0", "eval.ablations=true",
                    "eval.constrained_methods=[ar,eagle3,schemafill]")
     tracker = NullTracker()
     result = build_eval(cfg, tracker)

@@ -21,7 +21,7 @@ from tests.conftest import ROOT, accelerate_launch, compose
 
 def overrides(artifacts: Path, tiny: Path, *extra: str) -> list[str]:
     return [f"paths.artifacts={artifacts}", "logger=none", "model.finetune=false", f"model.source={tiny}",
-            "model.name=tiny", "decode.max_new_tokens=12", "data.continuations.max_requests=16",
+            "model.name=tiny", "model.aux_layer_ids=[1,2,3]", "decode.max_new_tokens=12", "data.continuations.max_requests=16",
             "data.continuations.shard_size=4", "data.continuations.batch_size=4", *extra]
 
 

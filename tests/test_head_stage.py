@@ -77,11 +77,9 @@ def test_features_captured_by_continuations_feed_the_head(tiny_continuations, ti
     from schemafill.runtime import from_hf_model
     from transformers import AutoModelForCausalLM
 
-    art = tmp_path / "captured"
-    shutil.copytree(tiny_continuations / "requests", art / "requests")
-    cfg = to_dataclass(compose(args_for(art, tiny_target, "data.continuations.features=true",
-                                        "train.head.feature_cache=true")))
-    build_continuations(cfg)
+    art = clone(tiny_continuations, tmp_path / "captured")  # built with the defaults: features kept
+    cfg = to_dataclass(compose(args_for(art, tiny_target, "train.head.feature_cache=true")))
+    assert cfg.data.continuations.features
     cont = art / "continuations" / "tiny"
     rows = datasets.load_from_disk(str(cont)).to_list()
     captured = FeatureCache(cont / "features")

@@ -247,19 +247,20 @@ def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: st
 
 
 def write_features(work: Path, shards: int, rows: list[dict], folder: Path, source: dict) -> FeatureCache:
-    """The shards' captured features as one cache, in the order of ``rows`` (the dataset's)."""
-    captured: dict[str, dict] = {}
-    for i in range(shards):
-        captured.update(torch.load(work / f"shard_{i:05d}.features.pt"))
-    first = next(iter(captured.values()), None)
-    aux_dim = first["aux"].shape[-1] if first else 0
-    hidden = first["final"].shape[-1] if first else 0
+    """The shards' captured features as one cache in the order of ``rows`` (the dataset's),
+    read one shard at a time: the whole pool's features need not fit in memory."""
+    index = {r["id"]: i for i, r in enumerate(rows)}
+    files = [work / f"shard_{i:05d}.features.pt" for i in range(shards)]
+    first = next((c for f in files for c in torch.load(f, mmap=True).values()), None)  # shapes only
+    aux_dim, hidden = (first["aux"].shape[-1], first["final"].shape[-1]) if first else (0, 0)
 
-    def row_features(r: dict) -> RowFeatures:
-        c, start = captured.pop(r["id"]), r["prompt_len"] - 1
-        # the target's greedy choice at each response position is the token it wrote next
-        return RowFeatures(aux=c["aux"], final=c["final"], start=start,
-                           argmax=torch.tensor(r["input_ids"][start + 1:]))
+    def captured():
+        for f in files:
+            for rid, c in torch.load(f).items():
+                i = index[rid]
+                start = rows[i]["prompt_len"] - 1
+                # the target's greedy choice at each response position is the token it wrote next
+                yield i, RowFeatures(aux=c["aux"], final=c["final"], start=start,
+                                     argmax=torch.tensor(rows[i]["input_ids"][start + 1:]))
 
-    return FeatureCache.write(folder, [len(r["input_ids"]) for r in rows], aux_dim, hidden,
-                              map(row_features, rows), source)
+    return FeatureCache.write(folder, [len(r["input_ids"]) for r in rows], aux_dim, hidden, captured(), source)

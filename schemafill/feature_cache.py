@@ -77,14 +77,15 @@ class FeatureCache:
 
     @staticmethod
     def write(folder: str | Path, lengths: list[int], aux_dim: int, hidden: int,
-              rows: Iterable[RowFeatures], source: dict | None = None) -> "FeatureCache":
-        """Store features captured elsewhere, one ``RowFeatures`` per row of ``lengths`` in
-        order; ``source`` (e.g. aux layer ids, dtype) lets a reader check they fit it."""
+              rows: Iterable[tuple[int, RowFeatures]], source: dict | None = None) -> "FeatureCache":
+        """Store features captured elsewhere: ``(row index, RowFeatures)`` pairs, in any order,
+        for the rows of ``lengths``; ``source`` (e.g. aux layer ids, dtype) lets a reader
+        check they fit it."""
         meta = _meta(lengths, aux_dim, hidden, source)
         with atomic.atomic_path(folder) as tmp:
             tmp.mkdir()
             aux, final, argmax = _maps(tmp, meta, "w+")
-            for i, f in enumerate(rows):
+            for i, f in rows:
                 o, n = meta["offsets"][i], lengths[i]
                 a, s, m = min(len(f.aux), n), f.start, min(len(f.final), n - f.start)
                 aux[o:o + a] = f.aux[:a].numpy()

@@ -26,7 +26,7 @@ the forwards that produced it, so nobody has to run the target over the rows aga
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -81,7 +81,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
     order; ``on_done(index, generation)`` is called as each one finishes. ``make_stop(index)``
     replaces the response stopping rule with another object of ``ResponseStop``'s interface
     (``push``, ``done``, ``ids``, ``text``, ``reason``). ``capture`` keeps each token's
-    features (``Generation.aux``, ``.final``)."""
+    features (``Generation.aux``, ``.final``); with ``on_done`` only the callback sees them."""
     eos = eos_token_ids(tokenizer) if eos is None else eos
     if make_stop is None:
         def make_stop(_: int) -> ResponseStop:
@@ -111,6 +111,8 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
             rows[r] = None
             if on_done is not None:
                 on_done(row.index, out[row.index])
+                if capture:  # the callback took the features: a long stream must not hold them all
+                    out[row.index] = replace(out[row.index], aux=None, final=None)
         else:
             row.pending = token
 

@@ -163,3 +163,8 @@ def test_captured_features_equal_a_full_forward_over_each_row():
         assert ref.argmax[0, p - 1:-1].tolist() == g.ids  # the greedy choice is the token written next
     plain = generate(target, Tok, [prompts[i] for i in order], max_new_tokens=9, batch_size=2)
     assert [g.ids for g in plain] == [g.ids for g in gens] and plain[0].aux is None
+    seen = {}  # with a callback, it alone gets the features: the returned list does not keep them
+    streamed = generate(target, Tok, [prompts[i] for i in order], max_new_tokens=9, batch_size=2, capture=True,
+                        on_done=lambda k, g: seen.__setitem__(k, g))
+    assert all(g.aux is None for g in streamed) and [g.ids for g in streamed] == [g.ids for g in gens]
+    assert all(torch.equal(seen[k].aux, g.aux) for k, g in enumerate(gens))

@@ -113,6 +113,10 @@ class TargetTrainConfig:
     # positions backpropagate): the same loss, a gradient without the prompt's K/V path
     context_grad: bool = True
     max_examples: int = 0  # fine-tune on at most this many examples, call_mix kept (0 = all)
+    # the response tokens that close or continue a container (another key or call, or not)
+    # count this many times in the loss: the target's failures are loops there. Measured on the
+    # built-in target (61 steps, 2 AVX2 cores): 3.0 gave valid JSON 0.91 against 0.93 at 1.0
+    decision_weight: float = 1.0
     # bf16 autocast on CPU: auto = only where the host computes bf16 natively (AVX512-BF16 or
     # AMX; emulated bf16 is ~30x slower than fp32), true / false force it. CUDA always uses bf16.
     bf16_autocast_cpu: str = "auto"

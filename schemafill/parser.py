@@ -354,3 +354,25 @@ def value_literal(text: str, key: str) -> str | None:
     A number closes only at the character after it, so ``text`` may run one past it."""
     state = parse_prefix(text)
     return next((text[a:e] for k, a, e in state.spans if k == key), None)
+
+
+def closing_offsets(text: str) -> list[int]:
+    """Offsets of the structural ``,``, ``}`` and ``]`` of JSON ``text`` (outside strings).
+
+    Each is where the writer decides between another member (key, element or call) and
+    closing the container: the decisions that, when wrong, repeat keys or calls or never
+    close (``train.target.decision_weight`` weights their tokens)."""
+    offsets, in_string, escaped = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in ",}]":
+            offsets.append(i)
+    return offsets

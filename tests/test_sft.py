@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from schemafill.toolcall import ToolCall, ToolRequest
+from schemafill.toolcall import ToolCall, ToolRequest, serialize_calls
 from tests.conftest import tiny_llama
 from train.layer_split import lower_states
-from train.sft import (Example, Progress, StepCost, batches, collate, detached_context_loss, lr_factor,
-                       natural_first, response_loss, split_collate, trim_catalog)
+from train.sft import (Example, Progress, StepCost, batches, collate, decision_tokens, detached_context_loss,
+                       loss_at_responses, lr_factor, natural_first, response_loss, split_collate, trim_catalog)
 
 
 def request(tools: list[str], called: list[str]) -> ToolRequest:
@@ -77,8 +77,43 @@ def test_step_cost_prices_first_visits_apart_and_with_a_margin():
 def split_examples() -> list[Example]:
     g = torch.Generator().manual_seed(0)
     lengths = [(11, 6), (17, 9), (8, 3)]  # (prompt, response): contexts left-padded, tails right-padded
-    return [Example(f"e{i}", torch.randint(5, 500, (p + r,), generator=g).tolist(), p, 1)
-            for i, (p, r) in enumerate(lengths)]
+    decisions = [(12, 16), (17,), ()]  # response tokens, the first one included
+    return [Example(f"e{i}", torch.randint(5, 500, (p + r,), generator=g).tolist(), p, 1, decisions=d)
+            for i, ((p, r), d) in enumerate(zip(lengths, decisions))]
+
+
+def test_decision_tokens_are_the_real_tokenizers_closing_tokens(smol_tokenizer):
+    text = serialize_calls([ToolCall("f", {"n": 5, "s": "a, b]"}), ToolCall("g", {})])
+    ids = smol_tokenizer(text, add_special_tokens=False).input_ids
+    picked = decision_tokens(text, ids, smol_tokenizer)
+    # after "f" and after 5; not the string's own "," and "]"; its object's close, the call's
+    # and the next call; after "g"; the empty arguments, the call's and the list's closes
+    assert [smol_tokenizer.decode([ids[i]]) for i in picked] == ['",', ",", '"}', "},", '",', " {}", "}", "]}"]
+    inner = [i for i, t in enumerate(ids) if smol_tokenizer.decode([t]) in (",", "]")]
+    assert len(inner) == 3 and set(inner) & set(picked) == {inner[0]}  # the one after 5 only
+    with pytest.raises(ValueError, match="other tokens"):
+        decision_tokens(text, ids[:-1], smol_tokenizer)
+
+
+def test_decision_weight_reweights_only_the_marked_labels():
+    model = tiny_llama(vocab_size=512, seed=4, num_hidden_layers=2)
+    exs = split_examples()
+    batch = collate(exs, pad_id=0)
+    assert batch["decisions"].sum() == 3 and batch["decisions"][0, 12] and batch["decisions"][1, 17]
+    final = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    plain = loss_at_responses(final, batch["labels"], model.lm_head)
+    assert loss_at_responses(final, batch["labels"], model.lm_head, batch["decisions"], 1.0) == plain
+    # by hand: each response label's cross-entropy, the marked ones counted 4 times
+    logits = model.lm_head(final[:, :-1]).float()  # [B, T-1, V]
+    targets = batch["labels"][:, 1:]
+    keep = targets != -100
+    ce = torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="none")
+    w = 1 + 3 * batch["decisions"][:, 1:][keep].float()
+    weighted = loss_at_responses(final, batch["labels"], model.lm_head, batch["decisions"], 4.0)
+    assert torch.allclose(weighted, (ce * w).sum() / w.sum(), atol=1e-6) and not torch.allclose(weighted, plain)
+    # the detached-context layout marks the same labels
+    detached = detached_context_loss(model, split_collate(exs, pad_id=0), None, 0, decision_weight=4.0)
+    assert torch.allclose(detached, weighted, atol=1e-5)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

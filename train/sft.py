@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from schemafill.compose import compositions
 from schemafill.config import ModelConfig, TargetTrainConfig
+from schemafill.parser import closing_offsets
 from schemafill.prompt import prompt_ids, response_ids
 from schemafill.toolcall import ToolRequest, serialize_calls
 from train.layer_split import lower_states, pad_states, upper_final, upper_final_detached_context
@@ -38,6 +39,7 @@ class Example:
     prompt_len: int
     calls: int
     composed: bool = False  # a multi-call composition of several requests (schemafill.compose)
+    decisions: tuple[int, ...] = ()  # positions of response tokens holding a closing decision
 
 
 def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConfig, train: TargetTrainConfig,
@@ -56,11 +58,14 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
     examples, too_long = [], 0
     for req in referenced + composed:
         ids = prompt_ids(req, model.prompt_style, tokenizer, model.chat_template_kwargs)
-        resp = response_ids(serialize_calls(req.reference), tokenizer)
+        text = serialize_calls(req.reference)
+        resp = response_ids(text, tokenizer)
         if len(ids) + len(resp) > train.max_seq_len:
             too_long += 1  # never truncated: a cut response would teach a broken format
             continue
-        examples.append(Example(req.id, ids + resp, len(ids), len(req.reference), req.source == "composed"))
+        decisions = decision_tokens(text, resp, tokenizer) if train.decision_weight != 1.0 else ()
+        examples.append(Example(req.id, ids + resp, len(ids), len(req.reference), req.source == "composed",
+                                tuple(len(ids) + i for i in decisions)))
     # Most corpus requests need one call; BFCL450 needs 2-4 (3.1 on average). Left as is, the
     # model learns one call as its prior (measured: 1.1 calls per response against 3.1), so
     # examples are resampled to `call_mix` shares of 1, 2, 3 and 4+ calls.
@@ -82,6 +87,19 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
              "natural_multi_call": sum(e.calls > 1 and not e.composed for e in examples),
              "skipped_too_long": too_long, "max_seq_len": train.max_seq_len}
     return examples, stats
+
+
+def decision_tokens(text: str, ids: list[int], tokenizer: Any) -> list[int]:
+    """Indexes into ``ids`` (``text`` tokenized) of the tokens holding one of its closing
+    decisions (``schemafill.parser.closing_offsets``): another key or call, or close."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("train.target.decision_weight needs a fast tokenizer (character offsets); "
+                         "set it to 1.0 for this target")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if enc.input_ids != ids:
+        raise ValueError("the response's offsets were computed on other tokens than its ids")
+    closing = closing_offsets(text)
+    return [i for i, (a, b) in enumerate(enc.offset_mapping) if any(a <= c < b for c in closing)]
 
 
 def trim_catalog(request: ToolRequest, size: int, rng: random.Random) -> ToolRequest:
@@ -139,26 +157,36 @@ def collate(group: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     ids = torch.full((len(group), width), pad_id, dtype=torch.long)  # [B, T]
     labels = torch.full((len(group), width), -100, dtype=torch.long)  # [B, T]
     mask = torch.zeros((len(group), width), dtype=torch.long)  # [B, T]
+    decisions = torch.zeros((len(group), width), dtype=torch.bool)  # [B, T]: labels that are closing decisions
     for i, e in enumerate(group):
         n = len(e.input_ids)
         ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, e.prompt_len:n] = ids[i, e.prompt_len:n]
         mask[i, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        decisions[i, list(e.decisions)] = True
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "decisions": decisions}
 
 
-def loss_at_responses(final: torch.Tensor, labels: torch.Tensor, lm_head: Any) -> torch.Tensor:
-    """Next-token cross-entropy on response positions only, logits computed only there."""
+def loss_at_responses(final: torch.Tensor, labels: torch.Tensor, lm_head: Any,
+                      decisions: torch.Tensor | None = None, decision_weight: float = 1.0) -> torch.Tensor:
+    """Next-token cross-entropy on response positions only, logits computed only there.
+
+    ``final`` [B, T, H], ``labels`` [B, T]; ``decisions`` [B, T] marks the labels that are
+    closing decisions, weighted ``decision_weight`` times the others in the mean."""
     targets = labels[:, 1:]  # [B, T-1]: token t+1 is predicted at position t
     keep = targets != -100
     logits = lm_head(final[:, :-1][keep])  # [N, V]
-    return F.cross_entropy(logits.float(), targets[keep])
+    if decisions is None or decision_weight == 1.0:
+        return F.cross_entropy(logits.float(), targets[keep])
+    losses = F.cross_entropy(logits.float(), targets[keep], reduction="none")  # [N]
+    weights = 1.0 + (decision_weight - 1.0) * decisions[:, 1:][keep].float()  # [N]
+    return (losses * weights).sum() / weights.sum()
 
 
-def response_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def response_loss(model: Any, batch: dict[str, torch.Tensor], decision_weight: float = 1.0) -> torch.Tensor:
     """The loss through the whole model (no frozen-layer cache)."""
     final = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return loss_at_responses(final, batch["labels"], model.lm_head)
+    return loss_at_responses(final, batch["labels"], model.lm_head, batch.get("decisions"), decision_weight)
 
 
 def frozen_layers(model: Any, train: TargetTrainConfig) -> int:
@@ -261,16 +289,19 @@ def split_collate(group: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     ids = torch.full((len(group), c + r), pad_id, dtype=torch.long)  # [B, C + R]
     mask = torch.zeros((len(group), c + r), dtype=torch.long)  # [B, C + R]
     labels = torch.full((len(group), r), -100, dtype=torch.long)  # [B, R]
-    for i, (ctx, tail) in enumerate(zip(contexts, tails)):
+    decisions = torch.zeros((len(group), r), dtype=torch.bool)  # [B, R]: labels that are closing decisions
+    for i, (ctx, tail, e) in enumerate(zip(contexts, tails, group)):
         ids[i, c - len(ctx):c], ids[i, c:c + len(tail)] = torch.tensor(ctx), torch.tensor(tail)
         mask[i, c - len(ctx):c + len(tail)] = 1
         labels[i, 1:len(tail)] = ids[i, c + 1:c + len(tail)]
+        decisions[i, [p - (e.prompt_len - 1) for p in e.decisions]] = True
     positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, C + R]: each row counts from its first token
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels, "context": c}
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels,
+            "decisions": decisions, "context": c}
 
 
 def detached_context_loss(model: Any, batch: dict[str, Any], states: list[torch.Tensor] | None,
-                          split: int) -> torch.Tensor:
+                          split: int, decision_weight: float = 1.0) -> torch.Tensor:
     """The response loss of a ``split_collate`` batch, its contexts run without grad.
 
     ``states`` are the examples' [T_i, H] inputs of layer ``split`` (the frozen layers'
@@ -287,7 +318,7 @@ def detached_context_loss(model: Any, batch: dict[str, Any], states: list[torch.
             first = c - int(mask[i, :c].sum())  # where the left-padded context begins
             hidden[i, first:first + row.shape[0]] = row
     final = upper_final_detached_context(model, hidden[:, :c], hidden[:, c:], mask, batch["position_ids"], split)
-    return loss_at_responses(final, batch["labels"], model.lm_head)
+    return loss_at_responses(final, batch["labels"], model.lm_head, batch.get("decisions"), decision_weight)
 
 
 def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetTrainConfig, seed: int,
@@ -345,12 +376,14 @@ def finetune(model: Any, tokenizer: Any, examples: list[Example], train: TargetT
             if cache:
                 cache.fill(group)
             t1 = time.perf_counter()
+            w = train.decision_weight
             if not train.context_grad:
-                loss = detached_context_loss(raw, batch, [cache.get(e) for e in group] if cache else None, split)
+                loss = detached_context_loss(raw, batch, [cache.get(e) for e in group] if cache else None, split, w)
             elif cache:
-                loss = loss_at_responses(upper_final(raw, cache.batch(group), split), batch["labels"], raw.lm_head)
+                loss = loss_at_responses(upper_final(raw, cache.batch(group), split), batch["labels"], raw.lm_head,
+                                         batch["decisions"], w)
             else:
-                loss = response_loss(raw, batch)
+                loss = response_loss(raw, batch, w)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(params, 1.0)
         optimizer.step()

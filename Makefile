@@ -38,7 +38,7 @@ run: setup  ## the whole pipeline on the built-in target, CPU-sized (report: art
 	$(BIN)/python train/run.py model=smollm2-135m
 
 full: setup  ## the whole-pool recipe for the built-in target (hours on a CPU; resumable) -> *-full artifacts
-	$(BIN)/python train/run.py model=smollm2-135m tag=full data.continuations.max_requests=0 train.head.epochs=2 eval.limit=90
+	$(BIN)/python train/run.py model=smollm2-135m experiment=full
 
 test: setup  ## the test suite without `slow` tests (< 10 minutes)
 	WANDB_MODE=offline $(BIN)/python -m pytest -m "not slow" -q

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from infer.tree import ROOT
+from schemafill.response_format import KEY, SEPARATORS, dumps
 
 JSON_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
 
@@ -72,8 +73,8 @@ def response_schema(functions: list[dict]) -> dict:
               "properties": {"name": {"const": fn["name"]},
                              "arguments": json_schema(fn.get("parameters") or {"type": "object", "properties": {}})},
               "required": ["name", "arguments"], "additionalProperties": False} for fn in functions]
-    return {"type": "object", "properties": {"tool_calls": {"type": "array", "items": {"anyOf": calls}}},
-            "required": ["tool_calls"], "additionalProperties": False}
+    return {"type": "object", "properties": {KEY: {"type": "array", "items": {"anyOf": calls}}},
+            "required": [KEY], "additionalProperties": False}
 
 
 def minimal_value(schema: Any) -> Any:
@@ -149,12 +150,11 @@ class SchemaGrammars:
         if schema not in self.cache:
             t = time.perf_counter()
             self.cache[schema] = self.compiler.compile_json_schema(schema, any_whitespace=False,
-                                                                   separators=(", ", ": "))
+                                                                   separators=SEPARATORS)
             self.compile_seconds.append(time.perf_counter() - t)
         close_at = None
         if self.close_at is not None and enforce:
-            calls = [json.dumps({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))},
-                                separators=(", ", ": "), ensure_ascii=False) for fn in functions]
+            calls = [dumps({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}) for fn in functions]
             longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
             close_at = max(self.close_at - longest, 0)
         return Constraint(self.xgr, self.cache[schema], self.pieces, self.closers, close_at, enforce)

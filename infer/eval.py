@@ -36,8 +36,8 @@ from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_mani
 from schemafill.models import target_location
 from schemafill.toolcall import parse_response
 
-from infer import report
-from infer.run import pooled
+from infer import decoders, report
+from infer.metrics import pooled
 from infer.run import run as infer_run
 
 OUTPUTS = ["metrics.json", "by_calls.json", "report.md"]
@@ -53,10 +53,10 @@ def methods_for(cfg: PipelineConfig, dataset: str) -> list[str]:
     if cfg.eval.ablations and dataset == "bfcl450":
         # stage A is EAGLE-3 inside SchemaFill's loop: token for token and call for call the
         # same as `eagle3` at the same budget (tested), so Table 2 reuses eagle3's row
-        stages = (["schemafill_A"] if "eagle3" not in methods else []) + ["schemafill_B", "schemafill_C"]
+        stages = (["A"] if "eagle3" not in methods else []) + ["B", "C"]
         if cfg.decode.ablation != "D" or "schemafill" not in methods:
-            stages.append("schemafill_D")
-        methods += [m for m in stages if m not in methods]
+            stages.append("D")
+        methods += [m for m in map(decoders.ablation_method, stages) if m not in methods]
     return methods
 
 
@@ -120,6 +120,8 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         print(f"[eval] {d}: {files[d]} not found — skipped" + (f" ({GLAIVE_HINT})" if d.startswith("glaive") else ""))
     if not present:
         raise FileNotFoundError(f"no evaluation set found in {art / 'requests'}: run the `requests` stage first")
+    for d in present:  # a misspelt method fails here, not after the first launch
+        decoders.check(methods_for(cfg, d), 0.0)
     if not (head / "config.json").is_file():
         raise FileNotFoundError(f"{head} missing: run stages=[continuations,head] first")
     fp = fingerprint({"eval": to_dict(ec), "decode": to_dict(cfg.decode), "model": to_dict(cfg.model),

@@ -5,7 +5,8 @@ the conversation; a tool's document is its name split into words (on ``_ . -`` a
 camelCase), its description, and its fields' names (split the same way) and
 descriptions. Ties keep catalog order; a one-tool catalog is not ranked. The ranking is
 cycled (a request may call one tool several times) and cut to the first ``budget`` call
-groups; each group's tool expands into slots in schema key order.
+groups; each group's tool becomes a ``CallPlan`` of its predicted keys, the slots SIDE
+branches prepare.
 
 Decision (the paper leaves it open): the keys a call is *predicted* to write are its
 required keys in schema order, or every key when none is required. Optional keys the
@@ -15,8 +16,8 @@ target does write are still taken from its own output (the packer follows MAIN).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
+from infer.packer import CallPlan
 from schemafill.toolcall import ToolRequest
 
 _WORD = re.compile(r"[A-Za-z][a-z]*|[a-z]+|[0-9]+|[^\W\d_]+", re.UNICODE)
@@ -26,15 +27,6 @@ _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 def words(text: str) -> list[str]:
     """Lower-cased words; identifiers split on ``_ . -`` and camelCase."""
     return [w.lower() for w in _WORD.findall(_CAMEL.sub(" ", re.sub(r"[_.\-]", " ", text)))]
-
-
-@dataclass(frozen=True)
-class Slot:
-    call: int  # call group j (0-based)
-    tool: str
-    field: str
-    type: str | None
-    required: bool
 
 
 def tool_document(fn: dict) -> list[str]:
@@ -74,15 +66,7 @@ def predicted_keys(fn: dict) -> list[str]:
     return required or keys
 
 
-def expand_slots(request: ToolRequest, groups: list[int]) -> list[Slot]:
-    """Every (call, tool, field) slot of the forecast, in call then schema key order."""
-    out = []
-    for j, t in enumerate(groups):
-        fn = request.functions[t]
-        params = fn.get("parameters") or {}
-        props = params.get("properties") or {}
-        required = set(params.get("required") or [])
-        for key in predicted_keys(fn):
-            spec = props.get(key) if isinstance(props.get(key), dict) else {}
-            out.append(Slot(call=j, tool=fn["name"], field=key, type=spec.get("type"), required=key in required))
-    return out
+def call_plan(fn: dict) -> CallPlan:
+    """The plan of one call of ``fn``: its predicted keys, its schema's keys, nothing prepared."""
+    props = (fn.get("parameters") or {}).get("properties") or {}
+    return CallPlan(fn["name"], tuple(predicted_keys(fn)), tuple(props), {})

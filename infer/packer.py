@@ -25,16 +25,11 @@ it with the head alone.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from schemafill.parser import ParseState
-
-HEADER = '{"tool_calls": ['
-
-
-def dumps(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False)
+from schemafill.response_format import CALL_BRIDGE, CALL_CLOSE, CLOSE, FIELD_BRIDGE, HEADER, call_header, dumps
 
 
 @dataclass(frozen=True)
@@ -45,21 +40,17 @@ class CallPlan:
     values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
 
 
-def call_header(tool: str) -> str:
-    return '{"name": ' + dumps(tool) + ', "arguments": {'
-
-
 def _call_pieces(tool: str, fields: list[tuple[str, str | None]],
                  provisional: dict[str, str] | None = None) -> list[str | None]:
     """Text pieces of one call; None where a value is unknown (the proposal stops there,
     after the value's provisional prefix if it has one)."""
     out: list[str | None] = [call_header(tool)]
     for i, (key, value) in enumerate(fields):
-        out.append((", " if i else "") + dumps(key) + ": ")
+        out.append((FIELD_BRIDGE if i else "") + dumps(key) + ": ")
         if value is None and provisional and key in provisional:
             out.append(provisional[key])
         out.append(value)
-    out.append("}}")
+    out.append(CALL_CLOSE)
     return out
 
 
@@ -130,9 +121,21 @@ def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bo
             nxt = 1
     if cross_calls or not pieces or pieces == [HEADER]:
         for j in range(nxt, len(plans)):
-            pieces += [", "] + _plan_pieces(plans[j], ahead.get(j))
-        pieces.append("]}")
+            pieces += [CALL_BRIDGE] + _plan_pieces(plans[j], ahead.get(j))
+        pieces.append(CLOSE)
     predicted = base + _join(pieces)
     if not predicted.startswith(text):
         return ""
     return predicted[len(text):]
+
+
+def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str) -> list[int]:
+    """Tokens for ``suffix`` after ``committed`` (whose text the packer saw as ``text``) as the
+    whole response would be tokenised (BPE merges across the boundary), falling back to
+    the suffix alone; nothing while the parsed text lags (a split multi-byte character)."""
+    if not suffix or tokenizer.decode(committed, skip_special_tokens=True) != text:
+        return []
+    full = tokenizer(text + suffix, add_special_tokens=False).input_ids
+    if full[: len(committed)] == committed and len(full) > len(committed):
+        return full[len(committed):]
+    return tokenizer(suffix, add_special_tokens=False).input_ids

@@ -17,23 +17,17 @@ import hashlib
 import json
 import sys
 import time
-from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import hydra
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from infer.constraint import Constraint, SchemaGrammars, valid_response
-from infer.decoders import Decoded
-from infer.decoders.ar import decode_ar
-from infer.decoders.eagle3 import decode_tree
-from infer.decoders.parallel_fill import ParallelFill
-from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
-from infer.decoders.toolspec import ToolSpec
-from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget, load_runtime_head
+from infer import decoders
+from infer.constraint import SchemaGrammars, valid_response
+from infer.decoding import DecoderContext, DecodeOptions
+from infer.metrics import pooled
 from infer.sampling import Sampler
 from schemafill import atomic
 from schemafill.config import InferConfig, register_configs, to_dataclass, to_dict
@@ -45,81 +39,16 @@ from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
 
-Decoder = Callable[[ToolRequest, list[int], Sampler, Constraint | None], Decoded]
-
-
-def _tree(target, tokenizer, max_new: int, eos, drafter: HeadDrafter, request: ToolRequest,
-          ids: list[int], sampler: Sampler, constraint: Constraint | None) -> Decoded:
-    return decode_tree(target, tokenizer, ids, max_new, eos, drafter, scratch=drafter.budget.total, sampler=sampler,
-                       constraint=constraint)
-
-
 def request_seed(seed: int, request_id: str, sample: int) -> int:
     """Each (request, sample) draws from its own stream, whatever else runs."""
     return int(hashlib.sha256(f"{seed}:{request_id}:{sample}".encode()).hexdigest()[:8], 16)
 
 
-def build_decoders(cfg: InferConfig, target, tokenizer, eos, ar_outputs: dict[str, dict]
-                   ) -> dict[str, Decoder]:
-    """Method name → decode(request, prompt ids). The head is loaded only when a method needs
-    it; Parallel Fill reads AR's output for the request from ``ar_outputs`` (filled by then)."""
-    d = cfg.decode
-    max_new = d.max_new_tokens
-    decoders: dict[str, Decoder] = {}
-    if "ar" in cfg.methods:
-        decoders["ar"] = lambda r, ids, smp, con: decode_ar(target, tokenizer, ids, max_new, eos, smp, con)
-    if any(m not in ("ar", "parallel_fill", "toolspec") for m in cfg.methods):
-        folder = cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name)
-        head = load_runtime_head(folder, target)
-    budget = TreeBudget(d.topk, d.depth, d.total_tokens)
-    for m in cfg.methods:
-        if m in ("eagle3", "eagle3_wide"):
-            drafter = HeadDrafter(head, budget if m == "eagle3" else EAGLE_DEFAULTS)
-            decoders[m] = partial(_tree, target, tokenizer, max_new, eos, drafter)
-        elif m.startswith("schemafill"):
-            ablation = m.split("_")[1] if "_" in m else d.ablation
-            sf = SchemaFill(target, tokenizer, head, eos, max_new,
-                            SchemaFillConfig(budget=budget, forecast_budget=d.forecast_budget, ablation=ablation,
-                                             side_depth=d.side_depth, pack_provisional=d.pack_provisional,
-                                             side_optional=d.side_optional, copy_len=d.copy_len))
-            decoders[m] = lambda r, ids, smp, con, sf=sf: sf.decode(r, ids, sampler=smp, constraint=con)
-        elif m == "toolspec":
-            ts = ToolSpec(target, tokenizer, eos, max_new)
-            decoders[m] = lambda r, ids, smp, con, ts=ts: ts.decode(r, ids, sampler=smp, constraint=con)
-        elif m == "parallel_fill":
-            pf = ParallelFill(target, tokenizer, eos)
-            decoders[m] = lambda r, ids, smp, con: pf.decode(ids, ar_outputs[r.id]["text"], ar_outputs[r.id]["output_ids"])
-    return {m: decoders[m] for m in cfg.methods}  # the order asked for
-
-
 DIAGNOSTICS = ("nodes", "init_nodes", "times", "kv_rows", "pruned")  # pooled into metrics.json, not per output
 
 
-def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
-    tokens = sum(len(r["output_ids"]) for r in rows)
-    calls = sum(r["target_calls"] for r in rows)
-    seconds = sum(r["seconds"] for r in rows)
-    verifies = [n for r in rows for n in r["nodes"]]
-    agree = None if reference is None else sum(r["output_ids"] == reference[r["id"]] for r in rows) / max(len(rows), 1)
-    times: dict[str, float] = {}
-    for r in rows:
-        for k, v in r["times"].items():
-            times[k] = times.get(k, 0.0) + v
-    forced = sum(r.get("forced", 0) for r in rows)
-    return {"accept_length": tokens / calls if calls else None,
-            # forced tokens cost no target decision: AL without them counts only what the target chose
-            "decided_al": (tokens - forced) / calls if calls else None, "forced": forced,
-            "pruned": sum(r.get("pruned", 0) for r in rows),
-            "valid_rate": sum(r["valid"] for r in rows) / len(rows) if rows and "valid" in rows[0] else None,
-            "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
-            "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
-            "nodes_per_verify": sum(verifies) / max(len(verifies), 1),
-            "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),
-            "kv_rows": sum(r["kv_rows"] for r in rows) / len(rows) if rows and all(r["kv_rows"] for r in rows) else None,
-            "time_breakdown": {k: round(v, 3) for k, v in times.items()}}
-
-
 def run(cfg: InferConfig) -> dict:
+    decoders.check(cfg.methods, cfg.decode.temperature)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     location = target_location(cfg.model, cfg.paths.artifacts)
@@ -152,21 +81,20 @@ def run(cfg: InferConfig) -> dict:
 
     # ---- decode, method by method, the same requests
     outputs: dict[str, list[dict]] = {}
-    ar_outputs: dict[str, dict] = {}
-    decoders = build_decoders(cfg, target, tokenizer, eos, ar_outputs)
+    ctx = DecoderContext(target, tokenizer, eos, cfg.decode,
+                         cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name))
+    methods = decoders.build(cfg.methods, ctx)
     d_cfg = cfg.decode
-    if cfg.decode.constrain not in ("none", "schema", "prune"):
-        raise ValueError(f"decode.constrain must be none, schema or prune, got {cfg.decode.constrain!r}")
     # compiled once per catalog, before any timing; Parallel Fill is not constrained
     close_at = d_cfg.max_new_tokens - d_cfg.close_margin if d_cfg.close_margin else None
     grammars = SchemaGrammars(tokenizer, target.config.vocab_size, close_at) if d_cfg.constrain != "none" else None
     enforce = d_cfg.constrain == "schema"
     constraints = (lambda r: grammars.constraint(r.functions, enforce)) if grammars else (lambda r: None)
     out = Path(cfg.out)
-    for method, decode in decoders.items():
+    for method, decoder in methods.items():
         for r in kept[: cfg.warmup]:
-            decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs),
-                   Sampler(d_cfg.temperature, d_cfg.top_p, d_cfg.seed), constraints(r))
+            decoder.decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs),
+                           DecodeOptions(Sampler(d_cfg.temperature, d_cfg.top_p, d_cfg.seed), constraints(r)))
         rows = []
         for r, k in tqdm([(r, k) for r in kept for k in range(cfg.samples)], desc=method, unit="req",
                          dynamic_ncols=True):
@@ -174,15 +102,15 @@ def run(cfg: InferConfig) -> dict:
             constraint = constraints(r)
             t0 = time.perf_counter()
             ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
-            d = decode(r, ids, sampler, constraint)
+            d = decoder.decode(r, ids, DecodeOptions(sampler, constraint))
             seconds = time.perf_counter() - t0
             rows.append({"id": r.id, "sample": k, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
                          "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
                          "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows,
                          "forced": d.forced, "pruned": d.pruned, "valid": valid_response(d.text, r.functions)})
         outputs[method] = rows
-        if method == "ar":
-            ar_outputs.update((row["id"], row) for row in rows)
+        if method == "ar":  # the skeletons Parallel Fill fills
+            ctx.skeletons.update((row["id"], row) for row in rows)
 
     # ---- metrics, pooled over requests
     # AR agreement is the lossless check at temperature 0; samples agree only in distribution

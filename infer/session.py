@@ -1,15 +1,10 @@
-"""One request on the target: its KV arena, the committed MAIN stream, and tree verification.
+"""One request on the target: its KV arena (``infer/arena.py``), the committed MAIN stream,
+and the target call that verifies a tree (``infer/verify.py``).
 
-Arena layout (row 0), DESIGN §4.6:
-
-* ``[0, P)`` the prompt, shared and read-only once written;
-* ``[P, n_kv)`` the committed response, in position order (accepted rows are moved down
-  here); the newest committed tokens are *pending* (emitted, KV not yet computed): the
-  last correction, and after it any tokens the response grammar forced. They go first in
-  the next call, as a chain, and the last of them is the root of the MAIN tree;
-* ``[n_kv, ...)`` scratch for the MAIN tree under verification, overwritten next round;
-* ``[side_base, capacity)`` a pool for SIDE rows, which the SchemaFill decoder allocates
-  and frees; a SIDE row never moves into MAIN.
+The committed response fills ``[P, n_kv)``; its newest tokens are *pending* (emitted, KV
+not yet computed): the last correction, and after it any tokens the response grammar
+forced. They go first in the next call, as a chain, and the last of them is the root of
+the MAIN tree, which is written to the scratch rows after them.
 
 One target call verifies the MAIN tree and any number of extra segments (SIDE branches):
 each extra node names the arena slots it may see, so MAIN never sees a SIDE row, a SIDE
@@ -25,10 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.arena import ArenaLayout
 from infer.constraint import Constraint
-from infer.decoders import Decoded
+from infer.decoding import Decoded
 from infer.sampling import Sampler
-from infer.tree import ancestor_mask, depths, greedy_accept, prune
+from infer.tree import depths, greedy_accept, prune
+from infer.verify import chain_and_tree, choose, with_segments
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 
@@ -72,9 +69,13 @@ class MainSession:
     pruned: int = 0  # draft nodes the grammar ruled out before verification
 
     def __post_init__(self) -> None:
-        self.side_base = len(self.prompt) + self.stop.max_new_tokens + self.scratch + 1
-        self.arena = self.target.new_arena(1, self.side_base + self.side_capacity)
+        self.layout = ArenaLayout(len(self.prompt), self.stop.max_new_tokens, self.scratch, self.side_capacity)
+        self.arena = self.target.new_arena(1, self.layout.capacity)
         self.device = self.target.device
+
+    @property
+    def side_base(self) -> int:
+        return self.layout.side_base
 
     @property
     def done(self) -> bool:
@@ -95,10 +96,7 @@ class MainSession:
         p = len(self.prompt)
         tree_tokens, parents, index, allowed = self._admit(list(tree_tokens), list(parents))
         pos = list(range(p)) + [p - 1 + d for d in depths(parents)]
-        visible = torch.zeros(p + len(tree_tokens), p + len(tree_tokens), dtype=torch.bool)
-        visible[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
-        visible[p:, :p] = True
-        visible[p:, p:] = ancestor_mask(parents)
+        visible = chain_and_tree(0, p, parents)
         return self._run(self.prompt + tree_tokens, pos, list(range(p + len(tree_tokens))), visible, p - 1,
                          tree_tokens, parents, index, allowed, extra, prefill=True)
 
@@ -113,11 +111,7 @@ class MainSession:
         chain = self.tokens[n:]  # [L] committed, KV not yet computed; the last is the tree's root
         L = len(chain)
         pos = list(range(n, n + L)) + [n + L - 1 + d for d in depths(parents)]
-        visible = torch.zeros(L + m, n + L + m, dtype=torch.bool)
-        visible[:, :n] = True  # committed rows
-        visible[:L, n:n + L] = torch.ones(L, L, dtype=torch.bool).tril()
-        visible[L:, n:n + L] = True
-        visible[L:, n + L:] = ancestor_mask(parents)
+        visible = chain_and_tree(n, L, parents)
         return self._run(chain + tree_tokens, pos, list(range(n, n + L + m)), visible, n + L - 1,
                          tree_tokens, parents, index, allowed, extra, prefill=False)
 
@@ -149,16 +143,10 @@ class MainSession:
              tree_tokens: list[int], parents: list[int], index: list[int], allowed: torch.Tensor | None,
              extra: list[Segment], prefill: bool) -> Verified:
         """Append the extra segments, run the target once, commit MAIN's chosen path."""
-        main_rows, width = visible.shape
-        span = max([width] + [max(see) + 1 for seg in extra for see in seg.visible])
-        rows = main_rows + sum(len(seg.tokens) for seg in extra)
-        mask = torch.zeros(rows, span, dtype=torch.bool)
-        mask[:main_rows, :width] = visible
-        r = main_rows
+        main_rows = visible.shape[0]
+        mask = with_segments(visible, extra)
+        rows = mask.shape[0]
         for seg in extra:
-            for see in seg.visible:
-                mask[r, see] = True
-                r += 1
             tokens = tokens + seg.tokens
             positions = positions + seg.positions
             slots = slots + seg.slots
@@ -174,15 +162,11 @@ class MainSession:
         self.nodes.append(rows - main_rows + len(tree_tokens))
         side = {s for seg in extra for see in seg.visible for s in see if s >= self.side_base}
         self.peak_rows = max(self.peak_rows, max(slots[:main_rows]) + 1 + len(side))
-        choice = logits.argmax(-1).tolist()  # SIDE nodes are proposals: always greedy and free
         first_tree = first + 1  # index of the first MAIN tree node in this call
-        main_logits = logits[: main_rows - first]  # [1 + m, V]: the root and MAIN's tree
-        if allowed is not None:  # each node chooses among what the grammar allows after its path
-            main_logits = main_logits.masked_fill(~allowed.to(main_logits.device), float("-inf"))
-        if self.sampler is None or self.sampler.greedy:
-            main_choice = choice[: main_rows - first] if allowed is None else main_logits.argmax(-1).tolist()
-        else:  # an independent draw at every MAIN node: exact speculative sampling (infer/sampling.py)
-            main_choice = self.sampler.choose(main_logits)
+        # the root and MAIN's tree [1 + m, V]: each node chooses among what the grammar allows
+        # after its path, greedily or by an independent draw (exact speculative sampling)
+        main_choice = choose(logits[: main_rows - first], allowed, self.sampler)
+        side_choice = logits[main_rows - first:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
         base = root_slot + 1  # committed MAIN continues right after the root
         self.arena.move(0, [slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])
@@ -206,7 +190,7 @@ class MainSession:
         self._force()
         extra_choices, extra_aux, r = [], [], main_rows
         for seg in extra:
-            extra_choices.append(choice[r - first:r - first + len(seg.tokens)])
+            extra_choices.append(side_choice[r - main_rows:r - main_rows + len(seg.tokens)])
             extra_aux.append(f.aux[0, r:r + len(seg.tokens)])
             r += len(seg.tokens)
         return Verified(accepted=[index[i] for i in accepted], correction=correction, committed=taken,

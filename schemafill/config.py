@@ -66,6 +66,10 @@ class DrafterConfig:
     loss_decay: float = 0.8  # loss = sum_i decay^i * L_i
 
 
+CONSTRAIN_MODES = ("none", "schema", "prune")
+ABLATIONS = ("A", "B", "C", "D")  # SchemaFill's stages (paper Table 2)
+
+
 @dataclass
 class DecodeConfig:
     temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling (infer/sampling.py)
@@ -85,6 +89,12 @@ class DecodeConfig:
     copy_len: int = 4  # SchemaFill's MAIN chains recycled from the prompt and the response (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
+
+    def __post_init__(self) -> None:
+        if self.constrain not in CONSTRAIN_MODES:
+            raise ValueError(f"decode.constrain must be one of {CONSTRAIN_MODES}, got {self.constrain!r}")
+        if self.ablation not in ABLATIONS:
+            raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
 
 
 @dataclass
@@ -211,10 +221,6 @@ class PipelineConfig:
             raise ValueError(f"unknown stage(s) {unknown}; the stages are {list(STAGES)}")
 
 
-METHODS = ("ar", "eagle3", "eagle3_wide", "schemafill", "schemafill_A", "schemafill_B", "schemafill_C",
-           "schemafill_D", "parallel_fill", "toolspec")
-
-
 @dataclass
 class InferConfig:
     """``python infer/run.py``: decode one requests file with several methods, side by side."""
@@ -235,16 +241,9 @@ class InferConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; the methods are {list(METHODS)}")
-        if "parallel_fill" in self.methods and ("ar" not in self.methods
-                                                or self.methods.index("ar") > self.methods.index("parallel_fill")):
-            raise ValueError("parallel_fill fills AR's skeleton: list ar before it in methods")
+        # the method names are the registry's (infer/decoders), checked there before any model loads
         if self.samples > 1 and self.decode.temperature == 0:
             raise ValueError("samples > 1 repeats identical greedy decodes: set decode.temperature > 0")
-        if self.decode.temperature > 0 and "parallel_fill" in self.methods:
-            raise ValueError("parallel_fill is a greedy diagnostic: drop it when decode.temperature > 0")
         if self.sample not in ("spread", "first"):
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from schemafill.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+from schemafill.runtime import KVArena
 
 AUX_CONVENTION = "hf_hidden_states_index"  # id i = HF hidden_states[i] = the input of decoder layer i
 
@@ -145,10 +146,8 @@ class Eagle3Head(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., Vd]
         return self.lm_head(self.norm(out))
 
-    def new_arena(self, capacity: int) -> Any:
+    def new_arena(self, capacity: int) -> KVArena:
         """KV for one request's drafting (the head's single layer)."""
-        from schemafill.runtime import KVArena
-
         c, w = self.config, self.fc.weight
         return KVArena(1, 1, c.num_key_value_heads, capacity, c.head_dim, w.dtype, w.device)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from schemafill.response_format import EMPTY, TEMPLATE
 from schemafill.toolcall import ToolRequest
 
 PROMPT_STYLES = ("plain", "chat")
@@ -22,10 +23,10 @@ INSTRUCTIONS = (
 
 FORMAT = (
     "Reply with exactly one JSON object and nothing else, in this format:\n"
-    '{"tool_calls": [{"name": "<tool name>", "arguments": {"<argument>": <JSON value>, ...}}, ...]}\n'
+    f"{TEMPLATE}\n"
     "Add one entry per call, in the order the calls should run; a request may need several calls, "
     "of the same or different tools. Use only tools and arguments from the catalog. "
-    'If no tool fits, reply {"tool_calls": []}.'
+    f"If no tool fits, reply {EMPTY}."
 )
 
 _SPEAKERS = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool result"}

@@ -2,8 +2,9 @@
 
 Owns ``ToolRequest`` (one OpenAI-style request: messages, tool catalog, optional
 reference calls), its validation and normalisation, and the canonical
-serialization of a response ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``.
-Prompt rendering lives in ``prompt``; parsing a partial response in ``parser``.
+validation of a response ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, whose text
+``response_format`` owns. Prompt rendering lives in ``prompt``; parsing a partial response
+in ``parser``.
 """
 
 from __future__ import annotations
@@ -13,15 +14,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemafill.response_format import KEY, serialize
+
 ROLES = ("system", "user", "assistant", "tool")
 
 # BFCL writes Python-flavoured types; JSON Schema spells them differently.
 _TYPE_ALIASES = {"dict": "object", "float": "number", "tuple": "array"}
-
-# Canonical separators: what `json.dumps` writes by default and what prompts show the
-# target, so MAIN and SIDE texts tokenize the same way.
-_SEPARATORS = (", ", ": ")
-
 
 class InvalidRequest(ValueError):
     """A record that is not a usable ToolRequest; the message says why."""
@@ -186,14 +184,9 @@ def normalize_schema(schema: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- responses
-def dumps(value: Any) -> str:
-    """Canonical JSON text of one value (unicode kept, default separators)."""
-    return json.dumps(value, ensure_ascii=False, separators=_SEPARATORS)
-
-
 def serialize_calls(calls: list[ToolCall]) -> str:
-    """The canonical response text for ``calls``."""
-    return dumps({"tool_calls": [c.to_dict() for c in calls]})
+    """The canonical response text for ``calls`` (``response_format``)."""
+    return serialize([c.to_dict() for c in calls])
 
 
 def parse_response(text: str) -> list[ToolCall] | None:
@@ -202,10 +195,10 @@ def parse_response(text: str) -> list[ToolCall] | None:
         obj = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("tool_calls"), list):
+    if not isinstance(obj, dict) or not isinstance(obj.get(KEY), list):
         return None
     try:
-        return _validate_calls(obj["tool_calls"], "tool_calls")
+        return _validate_calls(obj[KEY], KEY)
     except InvalidRequest:
         return None
 

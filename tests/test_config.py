@@ -10,8 +10,10 @@ from schemafill.config import PipelineConfig, to_dataclass
 from tests.conftest import CONF, compose
 
 # conf/accelerate holds `accelerate launch --config_file` files, not a Hydra group;
-# conf/target_defaults follows the chosen model (tested below), it is not chosen itself
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("accelerate", "target_defaults"))
+# conf/target_defaults follows the chosen model and conf/experiment overrides any key
+# (both tested below): neither is a section of the config
+GROUPS = sorted(p.name for p in CONF.iterdir()
+                if p.is_dir() and p.name not in ("accelerate", "target_defaults", "experiment"))
 
 
 def options(group: str) -> list[str]:
@@ -96,3 +98,29 @@ def test_misspelt_key_in_a_yaml_file_names_the_key(tmp_path):
         with pytest.raises(ConfigCompositionException) as err:
             hydra_compose(config_name="config", overrides=["model=typo"])
     assert "prompt_styel" in str(err.value.__cause__ or err.value)
+
+
+def test_eagle_defaults_preset_is_the_wide_methods_budget():
+    from infer.head_drafter import EAGLE_DEFAULTS, TreeBudget
+
+    d = to_dataclass(compose(["decode=eagle_defaults", "logger=none"])).decode
+    assert TreeBudget(d.topk, d.depth, d.total_tokens) == EAGLE_DEFAULTS
+    paper = to_dataclass(compose(["logger=none"])).decode
+    assert {k: v for k, v in vars(d).items() if k not in ("topk", "depth", "total_tokens")} == \
+        {k: v for k, v in vars(paper).items() if k not in ("topk", "depth", "total_tokens")}
+
+
+def test_bad_decode_values_are_named():
+    with pytest.raises(Exception, match="decode.constrain must be one of"):
+        to_dataclass(compose(["decode.constrain=always", "logger=none"]))
+    with pytest.raises(Exception, match="decode.ablation must be one of"):
+        to_dataclass(compose(["decode.ablation=E", "logger=none"]))
+
+
+@pytest.mark.parametrize("option", options("experiment"))
+def test_every_experiment_composes_over_the_defaults_and_yields_to_the_command_line(option):
+    cfg = to_dataclass(compose([f"experiment={option}"]))
+    assert isinstance(cfg, PipelineConfig) and cfg.tag == option
+    full = to_dataclass(compose(["experiment=full", "eval.limit=5"]))
+    # it wins over the built-in target's defaults (72 requests), the command line over it
+    assert full.data.continuations.max_requests == 0 and full.train.head.epochs == 2 and full.eval.limit == 5

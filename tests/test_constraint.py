@@ -11,6 +11,7 @@ from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
 from infer.decoders.toolspec import ToolSpec
+from infer.decoding import DecodeOptions
 from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
 from infer.tree import ROOT
 from schemafill.models import load_tokenizer
@@ -75,8 +76,8 @@ def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target)
         outs = {
             "eagle3": decode_tree(target, tok, ids, 40, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
                                   scratch=SCHEMAFILL_BUDGET.total, constraint=grammars.constraint(req.functions)),
-            "toolspec": ts.decode(req, ids, constraint=grammars.constraint(req.functions)),
-            "schemafill": sf.decode(req, ids, constraint=grammars.constraint(req.functions)),
+            "toolspec": ts.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
+            "schemafill": sf.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
         }
         for method, out in outs.items():
             assert out.ids == ar.ids, (name, method, ar.text, out.text)
@@ -206,7 +207,7 @@ def test_builtin_model_every_decoder_equals_constrained_ar_and_every_output_vali
         assert valid_response(ar.text, req.functions), ar.text
         eagle = decode_tree(target, tok, ids, 48, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
                             scratch=SCHEMAFILL_BUDGET.total, constraint=grammars.constraint(req.functions))
-        full = sf.decode(req, ids, constraint=grammars.constraint(req.functions))
+        full = sf.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions)))
         for method, out in (("eagle3", eagle), ("schemafill", full)):
             assert out.ids == ar.ids, (name, method, ar.text, out.text)
             assert out.forced == ar.forced  # a property of the output, whoever decoded it
@@ -217,7 +218,7 @@ def test_builtin_model_every_decoder_equals_constrained_ar_and_every_output_vali
         guided = {"eagle3": decode_tree(target, tok, ids, 48, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
                                         scratch=SCHEMAFILL_BUDGET.total,
                                         constraint=grammars.constraint(req.functions, enforce=False)),
-                  "schemafill": sf.decode(req, ids, constraint=grammars.constraint(req.functions, enforce=False))}
+                  "schemafill": sf.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions, enforce=False)))}
         for method, out in guided.items():
             assert out.ids == free.ids, (name, method, free.text, out.text)
             assert out.forced == 0

@@ -73,11 +73,18 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert result["metrics"] == metrics and set(result["rows"]) == set(metrics)
 
 
-def test_unknown_method_is_named(tmp_path, tiny_target, tiny_head):
-    with pytest.raises(Exception, match="eagle9"):
-        infer_cfg(tmp_path, tiny_target, tiny_head, tmp_path / "r.jsonl", "methods=[ar,eagle9]")
-    with pytest.raises(Exception, match="list ar before it"):
-        infer_cfg(tmp_path, tiny_target, tiny_head, tmp_path / "r.jsonl", "methods=[parallel_fill,ar]")
+def test_unknown_method_and_bad_settings_are_named_before_any_model_loads(tmp_path, tiny_target, tiny_head):
+    from infer.run import run
+
+    missing = tmp_path / "r.jsonl"  # never read: each error comes first
+    with pytest.raises(ValueError, match="eagle9"):
+        run(infer_cfg(tmp_path, tiny_target, tiny_head, missing, "methods=[ar,eagle9]"))
+    with pytest.raises(ValueError, match="list ar before it"):
+        run(infer_cfg(tmp_path, tiny_target, tiny_head, missing, "methods=[parallel_fill,ar]"))
+    with pytest.raises(ValueError, match="greedy diagnostic"):
+        run(infer_cfg(tmp_path, tiny_target, tiny_head, missing, "methods=[ar,parallel_fill]", "decode.temperature=1"))
+    with pytest.raises(Exception, match="decode.constrain must be one of"):
+        infer_cfg(tmp_path, tiny_target, tiny_head, missing, "decode.constrain=maybe")
 
 
 def test_missing_head_says_how_to_make_one(tmp_path, tiny_target, builtin_artifacts):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infer.forecast import expand_slots, forecast_groups, rank_tools, words
+from infer.forecast import call_plan, forecast_groups, rank_tools, words
 from infer.packer import CallPlan, propose
 from schemafill.parser import parse_prefix
 from schemafill.toolcall import ToolRequest
@@ -86,7 +86,8 @@ def test_bm25_ranking_groups_and_slots():
     ranking = rank_tools(req)
     assert ranking[0] == 1 and ranking[1:] == [0, 2]  # zero scores keep catalog order
     assert forecast_groups(ranking, 5) == [1, 0, 2, 1, 0]
-    slots = expand_slots(req, forecast_groups(ranking, 3))
-    assert [(s.call, s.tool, s.field, s.required) for s in slots] == [
-        (0, "get_weather", "city", True), (1, "send_email", "to", True)]
+    plans = [call_plan(tools[g]) for g in forecast_groups(ranking, 3)]
+    assert [(p.tool, p.keys, p.schema_keys) for p in plans] == [
+        ("get_weather", ("city",), ("city", "unit")), ("send_email", ("to",), ("to",)), ("noop", (), ())]
+    assert call_plan({"name": "f", "parameters": {"properties": {"a": {}, "b": {}}}}).keys == ("a", "b")  # none required
     assert rank_tools(_req(tools[:1], "anything")) == [0]

@@ -8,10 +8,10 @@ import torch
 
 from infer.decoders.ar import decode_ar
 from infer.decoders.parallel_fill import ParallelFill, ValueStop
-from infer.packer import HEADER, call_header, dumps
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.parser import response_layout
 from schemafill.prompt import prompt_ids
+from schemafill.response_format import HEADER, call_header, dumps
 from schemafill.runtime import load_target
 from tests.test_schemafill import request
 
@@ -54,7 +54,7 @@ def test_fills_ars_skeleton_on_the_builtin_model(builtin_artifacts):
         ids = prompt_ids(request(name), "plain", tok)
         ar = decode_ar(target, tok, ids, 64, eos)
         skeleton = response_layout(ar.text)
-        out = pf.decode(ids, ar.text, ar.ids)
+        out = pf.fill(ids, ar.text, ar.ids)
         rebuilt = response_layout(out.text)
         assert [(c.name, [k for k, _, _ in c.spans]) for c in rebuilt][: len(skeleton)] == \
             [(c.name, [k for k, _, _ in c.spans]) for c in skeleton]  # the layout is AR's

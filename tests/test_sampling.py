@@ -13,6 +13,7 @@ from infer.constraint import Constraint
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
+from infer.decoding import DecodeOptions
 from infer.head_drafter import HeadDrafter, TreeBudget
 from infer.sampling import Sampler
 from infer.tree import ROOT
@@ -123,7 +124,7 @@ def test_speculative_sampling_has_ars_distribution():
     assert 10 < len(ar) < N / 3  # a distribution with mass to compare, not a point or a smear
     peek = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s), 1)
     eagle = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, head, scratch=8, sampler=s), 2)
-    sf = outputs(lambda s: schemafill.decode(request("bm25"), prompt, sampler=s), 3)
+    sf = outputs(lambda s: schemafill.decode(request("bm25"), prompt, DecodeOptions(sampler=s)), 3)
     for name, got in {"peek": peek, "eagle3": eagle, "schemafill": sf}.items():
         assert same_distribution(ar, got) > 1e-3, name
     wrong = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s),

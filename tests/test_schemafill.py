@@ -62,7 +62,7 @@ def random_head(target, seed=0):
 def oracle_values(text: str) -> dict[tuple[int, str], str]:
     """Value literals of AR's own response, where it parses."""
     calls = parse_response(text.strip()) or []
-    from infer.packer import dumps
+    from schemafill.response_format import dumps
     return {(j, k): dumps(v) for j, c in enumerate(calls) for k, v in c.arguments.items()}
 
 
@@ -125,8 +125,8 @@ def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
 
 
 def test_sibling_branches_share_one_trunk(smol_tokenizer):
-    from infer.decoders.schemafill import Branch, SideContexts, ordinal_hint
-    from infer.packer import HEADER, call_header, dumps
+    from infer.side import Branch, SideContexts, ordinal_hint
+    from schemafill.response_format import HEADER, call_header, dumps
 
     tok = smol_tokenizer
     contexts = SideContexts(tok, prompt_len=5, base=100, size=200)
@@ -165,9 +165,9 @@ def test_sibling_branches_share_one_trunk(smol_tokenizer):
 def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
     """The head's entries for a SIDE context (a trunk, then the branch's own tokens, then its
     pending token) give the same draft as MAIN's drafter when MAIN's text is that context."""
-    from infer.decoders.schemafill import Branch, SideContexts, Trunk
     from infer.head_drafter import HeadDrafter, TreeBudget
     from infer.session import MainSession
+    from infer.side import Branch, SideContexts, Trunk
     from schemafill.stopping import ResponseStop
 
     target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])

@@ -1,22 +1,51 @@
-"""Decoders: each turns one prompt into the target's greedy response, counting target calls.
+"""The methods: each name, the module that builds its decoder, and the rules for combining them.
 
-Every decoder here is lossless at temperature 0 (DESIGN §3): its tokens equal AR's.
+Adding a method is adding a module here with ``build(ctx, method) -> Decoder`` (the
+interface: ``infer/decoding.py``) and one line in ``FACTORIES``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Callable
+
+from infer.decoders import ar, eagle3, parallel_fill, schemafill, toolspec
+from infer.decoding import Decoder, DecoderContext
+from schemafill.config import ABLATIONS
+
+FACTORIES: dict[str, Callable[[DecoderContext, str], Decoder]] = {
+    "ar": ar.build,
+    "eagle3": eagle3.build,
+    "eagle3_wide": eagle3.build,
+    "toolspec": toolspec.build,
+    "schemafill": schemafill.build,
+    **{f"schemafill_{a}": schemafill.build for a in ABLATIONS},  # its ablation stages
+    "parallel_fill": parallel_fill.build,
+}
+METHODS = tuple(FACTORIES)
+SKELETON_METHODS = ("parallel_fill",)  # fill AR's response: greedy only, and AR must run first
 
 
-@dataclass
-class Decoded:
-    ids: list[int]  # response tokens
-    text: str
-    stop: str  # closed | eos | length
-    target_calls: int  # prefill counts as one
-    nodes: list[int] = field(default_factory=list)  # draft nodes per verification
-    init_nodes: int = 0  # tree nodes verified with the prompt (SchemaFill's initialisation)
-    times: dict[str, float] = field(default_factory=dict)  # seconds by phase, where a decoder splits them
-    kv_rows: int = 0  # peak target KV rows holding live data (prompt, committed, tree, SIDE); 0 = not measured
-    forced: int = 0  # response tokens the grammar forced (decode.constrain=schema): no target decision
-    pruned: int = 0  # draft nodes the grammar ruled out before verification
+def ablation_method(stage: str) -> str:
+    """The method name of SchemaFill's ablation ``stage`` (A–D)."""
+    if stage not in ABLATIONS:
+        raise ValueError(f"SchemaFill's stages are {ABLATIONS}, got {stage!r}")
+    return f"schemafill_{stage}"
+
+
+def check(methods: list[str], temperature: float) -> None:
+    """A clear error for a list of methods that cannot run as given (before any model loads)."""
+    unknown = [m for m in methods if m not in FACTORIES]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; the methods are {list(METHODS)}")
+    for m in methods:
+        if m not in SKELETON_METHODS:
+            continue
+        if "ar" not in methods or methods.index("ar") > methods.index(m):
+            raise ValueError(f"{m} fills AR's skeleton: list ar before it in methods")
+        if temperature > 0:
+            raise ValueError(f"{m} is a greedy diagnostic: drop it when decode.temperature > 0")
+
+
+def build(methods: list[str], ctx: DecoderContext) -> dict[str, Decoder]:
+    """Method name → decoder, in the order asked for."""
+    return {m: FACTORIES[m](ctx, m) for m in methods}

@@ -3,14 +3,16 @@ with a ``Sampler``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from infer.constraint import Constraint
-from infer.decoders import Decoded
+from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.sampling import Sampler
 from infer.session import MainSession
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
+from schemafill.toolcall import ToolRequest
 
 
 def decode_ar(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
@@ -21,3 +23,19 @@ def decode_ar(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens:
     while not s.done:
         s.verify([], [])
     return s.decoded()
+
+
+@dataclass(frozen=True)
+class AR:
+    target: Target
+    tokenizer: Any
+    eos: frozenset[int]
+    max_new_tokens: int
+
+    def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
+        return decode_ar(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, options.sampler,
+                         options.constraint)
+
+
+def build(ctx: DecoderContext, method: str) -> AR:
+    return AR(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens)

@@ -13,16 +13,17 @@ prefill (the target must read the request), and nothing more.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from infer.decoders import Decoded
-from infer.decoders.schemafill import ordinal_hint
-from infer.packer import HEADER, call_header, dumps
+from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.session import MainSession
+from infer.side import ordinal_hint
 from schemafill.generate import generate
 from schemafill.parser import parse_prefix, response_layout
+from schemafill.response_format import field_prefix
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
+from schemafill.toolcall import ToolRequest
 
 
 class ValueStop(ResponseStop):
@@ -45,18 +46,33 @@ class ValueStop(ResponseStop):
             self.reason = "error"
 
 
+def build(ctx: DecoderContext, method: str) -> "ParallelFill":
+    return ParallelFill(ctx.target, ctx.tokenizer, ctx.eos, skeletons=ctx.skeletons)
+
+
 class ParallelFill:
+    """``skeletons`` maps a request id to AR's output for it (``text``, ``output_ids``), filled
+    by the time the request is decoded (``infer/run.py`` runs AR first)."""
+
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_value_tokens: int = 48,
-                 batch_size: int = 32) -> None:
+                 batch_size: int = 32, skeletons: Mapping[str, dict] | None = None) -> None:
         self.target, self.tokenizer, self.eos = target, tokenizer, eos
         self.max_value_tokens, self.batch_size = max_value_tokens, batch_size
+        self.skeletons = skeletons if skeletons is not None else {}
 
-    def decode(self, prompt: list[int], skeleton_text: str, skeleton_ids: list[int]) -> Decoded:
+    def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
+        """AR's response to ``request``, filled value by value (greedy; ``options`` unused)."""
+        if request.id not in self.skeletons:
+            raise KeyError(f"parallel_fill has no AR skeleton for request {request.id!r}: decode it with ar first")
+        skeleton = self.skeletons[request.id]
+        return self.fill(prompt, skeleton["text"], skeleton["output_ids"])
+
+    def fill(self, prompt: list[int], skeleton_text: str, skeleton_ids: list[int]) -> Decoded:
         """Fill AR's response (``skeleton_text``, tokens ``skeleton_ids``) value by value."""
         tok = self.tokenizer
         slots = [(j, call.name, key, a, e) for j, call in enumerate(response_layout(skeleton_text))
                  if call.name is not None for key, a, e in call.spans]
-        headers = [HEADER + call_header(name) + dumps(key) + ":" for _, name, key, _, _ in slots]
+        headers = [field_prefix(name, key) for _, name, key, _, _ in slots]
         stops = [ValueStop(tok, self.eos, h, key, self.max_value_tokens) for h, (_, _, key, _, _) in zip(headers, slots)]
         prompts = [prompt + tok(ordinal_hint(j) + h, add_special_tokens=False).input_ids
                    for h, (j, _, _, _, _) in zip(headers, slots)]

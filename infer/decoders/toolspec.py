@@ -26,18 +26,15 @@ tokens. No learned drafter is involved.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
-from infer.constraint import Constraint
-from infer.decoders import Decoded
-from infer.decoders.schemafill import continuation_ids
-from infer.forecast import predicted_keys
-from infer.packer import CallPlan, propose
+from infer.decoding import Decoded, DecoderContext, DecodeOptions
+from infer.forecast import call_plan
+from infer.packer import CallPlan, continuation_ids, propose
+from infer.phases import Phases
 from infer.recycle import recycle
-from infer.sampling import Sampler
 from infer.session import MainSession
 from infer.tree import chain, merge
 from schemafill.runtime import Target
@@ -70,6 +67,10 @@ class RetrievalStore:
         return [self.outputs[i] for i in order if self.ids[i] != exclude][: self.k]
 
 
+def build(ctx: DecoderContext, method: str) -> "ToolSpec":
+    return ToolSpec(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens)
+
+
 class ToolSpec:
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
                  total: int = 16, length: int = 12, k: int = 3) -> None:
@@ -77,29 +78,22 @@ class ToolSpec:
         self.total, self.length = total, length
         self.store = RetrievalStore(k)
 
-    def decode(self, request: ToolRequest, prompt: list[int], sampler: Sampler | None = None,
-               constraint: Constraint | None = None) -> Decoded:
-        tok = self.tokenizer
-        times = {"drafting": 0.0, "verification": 0.0}
-        plans = {fn["name"]: CallPlan(fn["name"], tuple(predicted_keys(fn)),
-                                      tuple(((fn.get("parameters") or {}).get("properties") or {})), {})
-                 for fn in request.functions}
-        s = MainSession(self.target, prompt, ResponseStop(tok, self.eos, self.max_new_tokens),
-                        scratch=self.total, sampler=sampler, constraint=constraint)
-        t = time.perf_counter()
-        s.prefill()
-        times["verification"] += time.perf_counter() - t
+    def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
+        phases = Phases("drafting", "verification")
+        plans = {fn["name"]: call_plan(fn) for fn in request.functions}
+        s = MainSession(self.target, prompt, ResponseStop(self.tokenizer, self.eos, self.max_new_tokens),
+                        scratch=self.total, sampler=options.sampler, constraint=options.constraint)
+        with phases("verification"):
+            s.prefill()
         summary = s.new_aux[: len(prompt)].mean(0)  # [3H]
         sources = self.store.nearest(summary, exclude=request.id)
         while not s.done:
-            t = time.perf_counter()
-            tokens, parents = self._tree(s, plans, sources + [prompt])
-            times["drafting"] += time.perf_counter() - t
-            t = time.perf_counter()
-            s.verify(tokens, parents)
-            times["verification"] += time.perf_counter() - t
+            with phases("drafting"):
+                tokens, parents = self._tree(s, plans, sources + [prompt])
+            with phases("verification"):
+                s.verify(tokens, parents)
         self.store.add(request.id, summary, s.response)
-        return s.decoded(times=times)
+        return s.decoded(times=phases.times)
 
     def _tree(self, s: MainSession, plans: dict[str, CallPlan], sources: list[list[int]]) -> tuple[list, list]:
         text, state = s.stop.parsed_text, s.stop.parser.state

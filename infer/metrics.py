@@ -1,0 +1,31 @@
+"""Per-method metrics pooled over requests (``metrics.json``; DESIGN §3's counters).
+
+AL is Σtokens / Σtarget calls, TPS Σtokens / Σseconds, AR agreement the share of requests
+whose tokens equal AR's (the lossless check at temperature 0).
+"""
+
+from __future__ import annotations
+
+
+def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
+    tokens = sum(len(r["output_ids"]) for r in rows)
+    calls = sum(r["target_calls"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    verifies = [n for r in rows for n in r["nodes"]]
+    agree = None if reference is None else sum(r["output_ids"] == reference[r["id"]] for r in rows) / max(len(rows), 1)
+    times: dict[str, float] = {}
+    for r in rows:
+        for k, v in r["times"].items():
+            times[k] = times.get(k, 0.0) + v
+    forced = sum(r.get("forced", 0) for r in rows)
+    return {"accept_length": tokens / calls if calls else None,
+            # forced tokens cost no target decision: AL without them counts only what the target chose
+            "decided_al": (tokens - forced) / calls if calls else None, "forced": forced,
+            "pruned": sum(r.get("pruned", 0) for r in rows),
+            "valid_rate": sum(r["valid"] for r in rows) / len(rows) if rows and "valid" in rows[0] else None,
+            "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
+            "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
+            "nodes_per_verify": sum(verifies) / max(len(verifies), 1),
+            "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),
+            "kv_rows": sum(r["kv_rows"] for r in rows) / len(rows) if rows and all(r["kv_rows"] for r in rows) else None,
+            "time_breakdown": {k: round(v, 3) for k, v in times.items()}}

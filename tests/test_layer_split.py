@@ -8,7 +8,8 @@ import torch
 
 from tests.conftest import tiny_llama
 from train.layer_split import lower_states, pad_states, upper_final
-from train.sft import Example, collate, loss_at_responses, response_loss
+from train.sft import loss_at_responses, response_loss
+from train.sft_data import Example, collate
 
 
 def examples() -> list[Example]:

@@ -12,8 +12,9 @@ import torch
 from schemafill.toolcall import ToolCall, ToolRequest, serialize_calls
 from tests.conftest import tiny_llama
 from train.layer_split import lower_states
-from train.sft import (Example, Progress, StepCost, batches, collate, decision_tokens, detached_context_loss,
-                       loss_at_responses, lr_factor, natural_first, response_loss, split_collate, trim_catalog)
+from train.sft import Progress, StepCost, detached_context_loss, loss_at_responses, lr_factor, response_loss
+from train.sft_data import (Example, batches, collate, decision_tokens, natural_first, split_collate,
+                            trim_catalog)
 
 
 def request(tools: list[str], called: list[str]) -> ToolRequest:

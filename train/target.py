@@ -38,7 +38,8 @@ from schemafill.records import read_requests
 from schemafill.runtime import from_hf_model
 from schemafill.stopping import eos_token_ids
 from schemafill.toolcall import ToolRequest
-from train.sft import Progress, build_examples, finetune
+from train.sft import Progress, finetune
+from train.sft_data import build_examples
 
 OUTPUTS = ["config.json", "model.safetensors", "tokenizer.json", "quality.json"]
 

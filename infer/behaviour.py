@@ -44,6 +44,8 @@ def record(out: Path, artifacts: Path, model: str, head: Path | None, limit: int
         if not path.exists():
             raise FileNotFoundError(f"{path} missing: run `make run` (or pass --artifacts/--head) first")
     done = json.loads(out.read_text()) if out.is_file() else {}
+    if done and done.get("limit") != limit:  # modes of other requests would compare as missing or changed
+        raise ValueError(f"{out} was recorded with --limit {done.get('limit')}, not {limit}: use another file")
     register_configs()
     for mode in modes:
         if mode in done.get("modes", {}):

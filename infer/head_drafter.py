@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from infer.tree import ROOT
+from schemafill.config import DecodeConfig
 from schemafill.drafter import Eagle3Head, load_head
 from schemafill.runtime import Target, causal_visibility, rope_tables
 
@@ -35,6 +36,11 @@ class TreeBudget:
     def __post_init__(self) -> None:
         if min(self.topk, self.depth, self.total) < 1:
             raise ValueError(f"tree budget must be positive, got {self}")
+
+    @classmethod
+    def of(cls, decode: DecodeConfig) -> "TreeBudget":
+        """The MAIN tree budget of a ``DecodeConfig``."""
+        return cls(decode.topk, decode.depth, decode.total_tokens)
 
 
 # the two named presets of issue #6

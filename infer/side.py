@@ -258,6 +258,8 @@ class SideBranches:
 
     def activate(self, plans: list[CallPlan], current: int, realized: set[tuple[int, str]]) -> None:
         """Open branches for the current and next call's slots, up to the cap."""
+        if len(self.branches) >= self.max_branches:  # always, before stage C: nothing to build each round
+            return
         have = {(b.call, b.field) for b in self.branches}
         for j, key in slots_to_open(plans, current, self.optional):
             if len(self.branches) >= self.max_branches:

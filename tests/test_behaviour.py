@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import json
 
-from infer.behaviour import differences, main
+import pytest
+
+from infer.behaviour import differences, main, record
 
 
 def row(ids, calls, nodes):
@@ -44,3 +46,14 @@ def test_compare_exits_nonzero_on_a_difference(tmp_path, capsys):
     b.write_text(json.dumps(changed))
     assert main(["compare", str(a), str(b)]) == 1
     assert "greedy/ar/a#0: output_ids [1, 2, 3] -> [1, 2, 4]" in capsys.readouterr().out
+
+
+def test_a_record_resumes_only_with_the_same_requests(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps(BEFORE))  # limit 2; every mode it asks for below is new
+    (tmp_path / "requests").mkdir()
+    (tmp_path / "requests" / "bfcl450.jsonl").write_text("")
+    (tmp_path / "heads" / "m").mkdir(parents=True)
+    (tmp_path / "heads" / "m" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="--limit 2, not 30"):
+        record(out, tmp_path, "m", None, 30, ["sampled"])

@@ -104,7 +104,7 @@ def test_eagle_defaults_preset_is_the_wide_methods_budget():
     from infer.head_drafter import EAGLE_DEFAULTS, TreeBudget
 
     d = to_dataclass(compose(["decode=eagle_defaults", "logger=none"])).decode
-    assert TreeBudget(d.topk, d.depth, d.total_tokens) == EAGLE_DEFAULTS
+    assert TreeBudget.of(d) == EAGLE_DEFAULTS
     paper = to_dataclass(compose(["logger=none"])).decode
     assert {k: v for k, v in vars(d).items() if k not in ("topk", "depth", "total_tokens")} == \
         {k: v for k, v in vars(paper).items() if k not in ("topk", "depth", "total_tokens")}

@@ -55,5 +55,5 @@ class Eagle3:
 def build(ctx: DecoderContext, method: str) -> Eagle3:
     """``eagle3`` at the decode budget; ``eagle3_wide`` at EAGLE's published defaults."""
     d = ctx.decode
-    budget = TreeBudget(d.topk, d.depth, d.total_tokens) if method == "eagle3" else EAGLE_DEFAULTS
+    budget = TreeBudget.of(d) if method == "eagle3" else EAGLE_DEFAULTS
     return Eagle3(ctx.target, ctx.tokenizer, ctx.eos, d.max_new_tokens, HeadDrafter(ctx.head, budget))

@@ -116,7 +116,7 @@ def build(ctx: DecoderContext, method: str) -> "SchemaFill":
     d = ctx.decode
     ablation = method.partition("_")[2] or d.ablation
     return SchemaFill(ctx.target, ctx.tokenizer, ctx.head, ctx.eos, d.max_new_tokens,
-                      SchemaFillConfig(budget=TreeBudget(d.topk, d.depth, d.total_tokens),
+                      SchemaFillConfig(budget=TreeBudget.of(d),
                                        forecast_budget=d.forecast_budget, ablation=ablation, side_depth=d.side_depth,
                                        pack_provisional=d.pack_provisional, side_optional=d.side_optional,
                                        copy_len=d.copy_len))

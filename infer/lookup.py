@@ -1,0 +1,56 @@
+"""Prompt lookup: drafts copied from text the request already holds (no model involved).
+
+Tool-call values are mostly copied from the user's request ("Boston", "2024-05-01"), and
+later calls repeat earlier ones' keys and units; a continuation found by suffix match
+proposes such spans for free. Two matching rules live here:
+
+* ``copy_after_suffix`` — SchemaFill's copies (MAIN chains) and ToolSpec-lite's: the
+  longest suffix of up to ``n_max`` tokens, at its *last* occurrence in a source.
+* ``ngram_lookup`` — prompt-lookup (n-gram) decoding as vLLM's ``ngram`` proposer does it:
+  the longest n in [n_min, n_max] whose trailing n-gram occurs earlier in the context, at
+  its *earliest* occurrence, up to k tokens after it (``transformers``' prompt lookup is the
+  same rule with n_min = 1).
+* ``first_matches`` — ToolSpec's retrieval rule: n-grams of n_max down to n_min, every
+  occurrence earliest first, in a source other than the context.
+
+Pure: lists of token ids in, lists out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+def copy_after_suffix(context: list[int], source: list[int], n_max: int = 3, length: int = 8) -> list[int]:
+    """The tokens after the last occurrence in ``source`` of the longest suffix of
+    ``context`` (at most ``n_max`` tokens) found there; [] when none is."""
+    for n in range(min(n_max, len(context)), 0, -1):
+        tail = context[-n:]
+        for start in range(len(source) - n - 1, -1, -1):  # leave at least one token to propose
+            if source[start:start + n] == tail:
+                return source[start + n:start + n + length]
+    return []
+
+
+def ngram_lookup(context: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the earliest earlier occurrence of the context's
+    longest trailing n-gram (``n_min`` ≤ n ≤ ``n_max``); [] when none occurs. The trailing
+    n-gram itself does not count; an occurrence overlapping it does."""
+    if not 1 <= n_min <= n_max:
+        raise ValueError(f"n-gram lookup needs 1 <= n_min <= n_max, got {n_min}, {n_max}")
+    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n):  # starts before the trailing n-gram's own
+            if context[start:start + n] == tail:
+                return context[start + n:start + n + k]
+    return []
+
+
+def first_matches(context: list[int], source: list[int], n_min: int, n_max: int) -> Iterator[int]:
+    """Where a continuation starts in ``source`` after an occurrence of the context's
+    trailing n-gram: n from ``n_max`` down to ``n_min``, occurrences earliest first."""
+    for n in range(min(n_max, len(context)), n_min - 1, -1):
+        tail = context[-n:]
+        for start in range(len(source) - n):
+            if source[start:start + n] == tail:
+                yield start + n

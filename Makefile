@@ -47,10 +47,10 @@ test-full: setup  ## every test, `slow` ones included
 	WANDB_MODE=offline $(BIN)/python -m pytest -q
 
 BENCH_LIMIT ?= 0
-BENCH_METHODS ?= [ar,eagle3,eagle3_wide,schemafill]
+BENCH_METHODS ?= [ar,eagle3,eagle3_wide,toolspec,ngram,suffix,schemafill]
 BENCH_HEAD ?= $(firstword $(wildcard artifacts/heads/smollm2-135m-full) artifacts/heads/smollm2-135m)
 BENCH_ARGS ?=
-bench: setup  ## AR vs EAGLE-3 vs SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests; BENCH_ARGS="decode.constrain=schema") -> outputs/bench/
+bench: setup  ## AR vs EAGLE-3, the training-free peers and SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests; BENCH_ARGS="decode.constrain=schema") -> outputs/bench/
 	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
 		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench $(BENCH_ARGS)
 

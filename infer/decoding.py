@@ -3,7 +3,8 @@
 Every decoder is an object with ``decode(request, prompt, options) -> Decoded``, built once
 per launch from a ``DecoderContext`` by its module's ``build(ctx, method)``, which the
 registry in ``infer/decoders`` names. Every one but Parallel Fill is lossless at
-temperature 0 (DESIGN §3): its tokens equal AR's.
+temperature 0 (DESIGN §3): its tokens equal AR's. Decoders that learn from earlier
+requests of a launch also have ``reset()`` (``infer.decoders.reset``).
 """
 
 from __future__ import annotations

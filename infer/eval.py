@@ -205,6 +205,11 @@ def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per
              "timed from prompt rendering to stop; speedup = TPS / AR's TPS in the same launch; "
              "AR agreement = share of requests whose tokens equal AR's.", "",
              "## Table 1 — end to end", "", report.markdown(*tables["table1_end_to_end"]), ""]
+    learners = [m for m in ("toolspec", "toolspec_lite", "suffix") if any(m in ms for ms in metrics.values())]
+    if learners:
+        lines += [f"{', '.join(learners)} learn from earlier outputs: each launch starts them empty, and they learn "
+                  "only from responses decoded before in the same launch (never from the references); "
+                  "ToolSpec's differences from its authors' code: README, Methods.", ""]
     plots = []
     main = "bfcl450" if "bfcl450" in metrics else next(iter(metrics))
     m = metrics[main]

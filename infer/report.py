@@ -12,7 +12,7 @@ from pathlib import Path
 
 ABLATION_STAGES = [  # (method, stage, what it adds) — paper Table 2
     ("schemafill_A", "A", "EAGLE-3 (SchemaFill budget)"),
-    ("schemafill_B", "B", "+ schema-guided MAIN (forecast, structural packing, recycled copies)"),
+    ("schemafill_B", "B", "+ schema-guided MAIN (forecast, structural packing, prompt-lookup copies)"),
     ("schemafill_C", "C", "+ SIDE drafting"),
     ("schemafill_D", "D", "+ cross-call packing (full SchemaFill)"),
 ]
@@ -142,7 +142,7 @@ def table7(compared: dict[str, dict[str, dict[str, dict]]]) -> tuple[list[str], 
                              None if m.get("speedup") is None else f"{m['speedup']:.2f}×",
                              f"{m['tps'] / base:.2f}×" if base and mode == "schema" else None,
                              None if m.get("ar_agreement") is None else f"{100 * m['ar_agreement']:.1f}"])
-    order = {"ar": 0, "eagle3": 1, "toolspec": 2, "schemafill": 3}
+    order = {"ar": 0, "eagle3": 1, "toolspec": 2, "ngram": 3, "suffix": 4, "schemafill": 5}
     rows.sort(key=lambda r: (r[0], order.get(r[1], 9), r[1], r[2]))
     return columns, rows
 

@@ -95,6 +95,7 @@ def run(cfg: InferConfig) -> dict:
         for r in kept[: cfg.warmup]:
             decoder.decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs),
                            DecodeOptions(Sampler(d_cfg.temperature, d_cfg.top_p, d_cfg.seed), constraints(r)))
+        decoders.reset(decoder)  # what a method learns across requests, it learns from this pass only
         rows = []
         for r, k in tqdm([(r, k) for r in kept for k in range(cfg.samples)], desc=method, unit="req",
                          dynamic_ncols=True):

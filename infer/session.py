@@ -47,6 +47,10 @@ class Verified:
     committed: int  # tokens that joined MAIN (≤ len(accepted) + 1 when the response stops)
     extra_choices: list[list[int]] = field(default_factory=list)  # target argmax at each extra node
     extra_aux: list[torch.Tensor] = field(default_factory=list)  # [n, 3H] target features at each extra node
+    # the root and the MAIN nodes the call carried (after the grammar's pruning), and the
+    # target's logits at each [1 + m, V]: what token recycling learns from
+    main_tokens: list[int] = field(default_factory=list)
+    main_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,6 +67,7 @@ class MainSession:
     new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
     peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
     prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
+    prompt_final: torch.Tensor | None = None  # [H] the target's final hidden state there (ToolSpec's retrieval key)
     sampler: Sampler | None = None  # how MAIN picks its token at each node (None: greedy)
     constraint: Constraint | None = None  # the response grammar MAIN's choices obey, or that only prunes drafts
     forced: int = 0  # response tokens the grammar allowed alone (the ones after a verification need no target decision)
@@ -181,6 +186,7 @@ class MainSession:
             self.forced += int((rows.sum(-1) == 1).sum())
         if prefill:
             self.prompt_aux = f.aux[0, len(self.prompt) - 1]
+            self.prompt_final = f.final[0, 0]
             self.tokens = list(self.prompt) + new[:taken]
             self.new_aux = f.aux[0, list(range(len(self.prompt))) + [first_tree + i for i in accepted]]
         else:
@@ -194,4 +200,5 @@ class MainSession:
             extra_aux.append(f.aux[0, r:r + len(seg.tokens)])
             r += len(seg.tokens)
         return Verified(accepted=[index[i] for i in accepted], correction=correction, committed=taken,
-                        extra_choices=extra_choices, extra_aux=extra_aux)
+                        extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=tokens[first:main_rows],
+                        main_logits=logits[: main_rows - first])

@@ -66,6 +66,44 @@ class DrafterConfig:
     loss_decay: float = 0.8  # loss = sum_i decay^i * L_i
 
 
+@dataclass
+class NgramConfig:
+    """Prompt-lookup decoding (method ``ngram``), with vLLM's knob names."""
+
+    prompt_lookup_min: int = 1  # shortest trailing n-gram matched (vLLM's documented default)
+    prompt_lookup_max: int = 4  # longest, tried first (vLLM's documentation example)
+    num_speculative_tokens: int = 5  # tokens copied after the match (vLLM's documentation example)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max or self.num_speculative_tokens < 1:
+            raise ValueError("decode.ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max and "
+                             f"num_speculative_tokens >= 1, got {self}")
+
+
+@dataclass
+class SuffixConfig:
+    """Suffix decoding (method ``suffix``), with vLLM's knobs and defaults."""
+
+    max_tree_depth: int = 24  # suffixes stored up to this many tokens (match + draft fit in it)
+    max_cached_requests: int = 10000  # earlier responses in the global tree, oldest evicted (0: prompt tree only)
+    max_spec_factor: float = 1.0  # a match of m tokens may draft m * factor + offset tokens (paper: alpha * p)
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1  # no drafted token less likely than this (counts ratio along its path)
+    num_speculative_tokens: int = 24  # the cap on one draft
+    tree: bool = True  # the paper's best-first tree; false: vLLM's single path of most frequent tokens
+
+
+@dataclass
+class ToolSpecConfig:
+    """ToolSpec (method ``toolspec``) with its authors' budgets (hemingkx/ToolSpec)."""
+
+    recycling_topk: int = 8  # token recycling: next-token candidates per token (table [V, k])
+    retrieve: int = 10  # earlier outputs retrieved per request, most similar first
+    ngram_max: int = 7  # retrieval n-grams tried from this length ...
+    ngram_min: int = 5  # ... down to this one
+    candidates: list[int] = field(default_factory=lambda: [32, 16, 8, 8])  # retrieved chains and their lengths
+
+
 CONSTRAIN_MODES = ("none", "schema", "prune")
 ABLATIONS = ("A", "B", "C", "D")  # SchemaFill's stages (paper Table 2)
 
@@ -86,9 +124,13 @@ class DecodeConfig:
     # target stays free, drafts that grammar forbids are dropped before verification
     constrain: str = "none"
     close_margin: int = 64  # constrained: this many tokens before max_new_tokens, close whatever may close (0 = off)
-    copy_len: int = 4  # SchemaFill's MAIN chains recycled from the prompt and the response (0 = off; beyond the paper)
+    copy_len: int = 4  # SchemaFill's MAIN chains copied from the prompt and the response (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
+    # the training-free peers' own settings
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    toolspec: ToolSpecConfig = field(default_factory=ToolSpecConfig)
 
     def __post_init__(self) -> None:
         if self.constrain not in CONSTRAIN_MODES:
@@ -168,13 +210,15 @@ class EvalConfig:
     """Stage `eval`: every method on the evaluation sets, side by side, and the report."""
 
     datasets: list[str] = field(default_factory=lambda: ["bfcl450", "glaive650"])  # absent sets are skipped
-    methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "parallel_fill", "schemafill"])
+    methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "ngram", "suffix",
+                                                        "parallel_fill", "schemafill"])
     ablations: bool = True  # Table 2: SchemaFill stages A-C too, on bfcl450 (schemafill itself is D)
     limit: int = 0  # requests per dataset, evenly spread over the file (categories stay balanced); 0 = all
     repeats: int = 1  # timed launches per dataset; TPS is reported as mean ± sample std when > 1
     warmup: int = 1  # untimed requests per method and launch (a GPU's kernels and allocator warm up)
     temperature: float = 1.0  # one more launch of the sampled methods at it (Table 6); 0 = none
-    sampled_methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "schemafill"])
+    sampled_methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "ngram", "suffix",
+                                                                "schemafill"])
     constrained_methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "schemafill"])  # one more
     # launch with decode.constrain=schema (Table 7: what constraining costs or gains); [] = none
 

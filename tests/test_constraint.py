@@ -10,7 +10,7 @@ from infer.constraint import SchemaGrammars, json_schema, minimal_value, respons
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
-from infer.decoders.toolspec import ToolSpec
+from infer.decoders.toolspec_lite import ToolSpecLite
 from infer.decoding import DecodeOptions
 from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
 from infer.tree import ROOT
@@ -62,7 +62,7 @@ def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target)
     grammars = SchemaGrammars(tok, target.config.vocab_size)
     head = random_head(target)
     sf = SchemaFill(target, tok, head, eos, 40, SchemaFillConfig(budget=SCHEMAFILL_BUDGET))
-    ts = ToolSpec(target, tok, eos, 40)
+    ts = ToolSpecLite(target, tok, eos, 40)
     for name in ("bm25", "wrong_order", "no_params"):
         req = request(name)
         ids = prompt_ids(req, "plain", tok)
@@ -76,7 +76,7 @@ def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target)
         outs = {
             "eagle3": decode_tree(target, tok, ids, 40, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
                                   scratch=SCHEMAFILL_BUDGET.total, constraint=grammars.constraint(req.functions)),
-            "toolspec": ts.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
+            "toolspec_lite": ts.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
             "schemafill": sf.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
         }
         for method, out in outs.items():

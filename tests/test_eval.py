@@ -39,8 +39,9 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     assert list(metrics) == ["bfcl450"] and result["metrics"] == metrics
     m = metrics["bfcl450"]
     # stage A is eagle3 (tested in test_schemafill), so it is not decoded twice
-    assert list(m) == ["ar", "eagle3", "toolspec", "parallel_fill", "schemafill", "schemafill_B", "schemafill_C"]
-    for method in ("eagle3", "toolspec", "schemafill", "schemafill_B", "schemafill_C"):
+    assert list(m) == ["ar", "eagle3", "toolspec", "ngram", "suffix", "parallel_fill", "schemafill", "schemafill_B",
+                       "schemafill_C"]
+    for method in ("eagle3", "toolspec", "ngram", "suffix", "schemafill", "schemafill_B", "schemafill_C"):
         assert m[method]["ar_agreement"] == 1.0 and m[method]["requests"] == 3
     assert m["ar"]["speedup"] == 1.0 and m["ar"]["launches"] == 2 and m["ar"]["tps_std"] is not None
     assert m["parallel_fill"]["accept_length"] is None
@@ -52,6 +53,7 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     assert sampled["metrics"]["bfcl450"]["ar"]["speedup"] == 1.0
     for title in ("Table 1", "Table 2", "Table 4", "Table 5", "Table 6", "Table 7"):
         assert title in text
+    assert "toolspec, suffix learn from earlier outputs" in text  # the report says what they learn from
     compared = json.loads((out / "constrained.json").read_text())["bfcl450"]  # Table 7: free vs schema
     assert list(compared["schema"]) == list(compared["none"]) == cfg.eval.constrained_methods
     for method, v in compared["schema"].items():

@@ -1,9 +1,11 @@
 """Exact speculative sampling: the sampler on literal cases, and the distribution of complete
-outputs of EAGLE-3 and SchemaFill sampling against AR sampling on a small-vocabulary model,
+outputs of EAGLE-3, SchemaFill and the training-free peers' sampling against AR sampling on a small-vocabulary model,
 with a negative control (one draw shared by a whole tree) that the test must reject."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections import Counter
 
 import pytest
@@ -12,11 +14,15 @@ import torch
 from infer.constraint import Constraint
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
+from infer.decoders.ngram import Ngram
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
+from infer.decoders.suffix import SuffixDecoding
+from infer.decoders.toolspec import ToolSpec
 from infer.decoding import DecodeOptions
 from infer.head_drafter import HeadDrafter, TreeBudget
 from infer.sampling import Sampler
 from infer.tree import ROOT
+from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.drafter import Eagle3Head, HeadConfig
 from schemafill.runtime import from_hf_model, rope_tables
 from tests.test_runtime import hf_model
@@ -125,7 +131,17 @@ def test_speculative_sampling_has_ars_distribution():
     peek = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s), 1)
     eagle = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, head, scratch=8, sampler=s), 2)
     sf = outputs(lambda s: schemafill.decode(request("bm25"), prompt, DecodeOptions(sampler=s)), 3)
-    for name, got in {"peek": peek, "eagle3": eagle, "schemafill": sf}.items():
+    # the training-free peers; each sample is a new request, so the learning ones (suffix's
+    # response tree, ToolSpec's table and memory) draft from every earlier sample
+    count = itertools.count()
+    fresh = lambda: dataclasses.replace(request("bm25"), id=f"sample{next(count)}")  # noqa: E731
+    peers = {"ngram": Ngram(target, tok, eos, max_new, NgramConfig(num_speculative_tokens=2)),
+             "suffix": SuffixDecoding(target, tok, eos, max_new, SuffixConfig(min_token_prob=0.0)),
+             "toolspec": ToolSpec(target, tok, eos, max_new, ToolSpecConfig(recycling_topk=3, ngram_min=1))}
+    got_peers = {name: outputs(lambda s, d=d: d.decode(fresh(), prompt, DecodeOptions(sampler=s)), 5 + i)
+                 for i, (name, d) in enumerate(peers.items())}
+    assert len(peers["suffix"].responses) == N and peers["toolspec"].table.next.any()  # they learnt
+    for name, got in {"peek": peek, "eagle3": eagle, "schemafill": sf, **got_peers}.items():
         assert same_distribution(ar, got) > 1e-3, name
     wrong = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s),
                     4, SharedDraw)

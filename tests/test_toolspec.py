@@ -1,5 +1,6 @@
-"""ToolSpec: token recycling and the retrieval store on literal cases; lossless decoding on a
-random model and on the built-in model, where its FSM and retrieval cut target calls."""
+"""ToolSpec's retrieval store on literal cases; ToolSpec-lite on the built-in model: lossless,
+within its 16 nodes, and its FSM and retrieval cut target calls (the other peers' tests:
+test_peers.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,12 @@ import pytest
 import torch
 
 from infer.decoders.ar import decode_ar
-from infer.decoders.toolspec import RetrievalStore, ToolSpec
-from infer.recycle import recycle
+from infer.decoders.toolspec_lite import ToolSpecLite
+from infer.retrieval import RetrievalStore
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
 from schemafill.runtime import load_target
 from tests.test_schemafill import CASES, request
-
-
-def test_recycle_takes_the_longest_suffix_and_its_last_occurrence():
-    source = [1, 2, 3, 9, 2, 3, 4, 5, 6]
-    assert recycle([7, 2, 3], source, length=2) == [4, 5]  # "2 3" last seen before 4 5
-    assert recycle([1, 2, 3], source, length=3) == [9, 2, 3]  # the 3-token suffix wins over "2 3"
-    assert recycle([8, 8], source) == []
-    assert recycle([6], source) == []  # at the very end: nothing follows
 
 
 def test_store_returns_the_most_similar_outputs_but_never_the_requests_own():
@@ -33,23 +26,13 @@ def test_store_returns_the_most_similar_outputs_but_never_the_requests_own():
     assert store.nearest(torch.tensor([1.0, 0.1]), exclude="a") == [[2], [3]]
 
 
-def test_lossless_on_a_random_model(tiny_target):
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
-    tok = load_tokenizer(str(tiny_target))
-    eos = frozenset({tok.eos_token_id})
-    ts = ToolSpec(target, tok, eos, 24)
-    for name in ("bm25", "twenty", "one_tool"):
-        ids = prompt_ids(request(name), "plain", tok)
-        assert ts.decode(request(name), ids).ids == decode_ar(target, tok, ids, 24, eos).ids
-
-
 @pytest.mark.slow  # 70-115 s on 2 AVX2 cores: `make test-full`
 def test_lossless_and_fewer_calls_on_the_builtin_model(builtin_artifacts):
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"
     tok = load_tokenizer(str(folder))
     eos = generation_eos(str(folder), tok)
     target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27])
-    ts = ToolSpec(target, tok, eos, 48)
+    ts = ToolSpecLite(target, tok, eos, 48)
     saved = 0
     for name in CASES:
         ids = prompt_ids(request(name), "plain", tok)

@@ -1,14 +1,16 @@
 """The methods: each name, the module that builds its decoder, and the rules for combining them.
 
 Adding a method is adding a module here with ``build(ctx, method) -> Decoder`` (the
-interface: ``infer/decoding.py``) and one line in ``FACTORIES``.
+interface: ``infer/decoding.py``) and one line in ``FACTORIES``. A decoder that learns
+across requests (``toolspec``'s table and memory, ``suffix``'s response tree) has
+``reset()``, which a launch calls after its warm-up requests.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from infer.decoders import ar, eagle3, parallel_fill, schemafill, toolspec
+from infer.decoders import ar, eagle3, ngram, parallel_fill, schemafill, suffix, toolspec, toolspec_lite
 from infer.decoding import Decoder, DecoderContext
 from schemafill.config import ABLATIONS
 
@@ -17,6 +19,9 @@ FACTORIES: dict[str, Callable[[DecoderContext, str], Decoder]] = {
     "eagle3": eagle3.build,
     "eagle3_wide": eagle3.build,
     "toolspec": toolspec.build,
+    "toolspec_lite": toolspec_lite.build,
+    "ngram": ngram.build,
+    "suffix": suffix.build,
     "schemafill": schemafill.build,
     **{f"schemafill_{a}": schemafill.build for a in ABLATIONS},  # its ablation stages
     "parallel_fill": parallel_fill.build,
@@ -44,6 +49,12 @@ def check(methods: list[str], temperature: float) -> None:
             raise ValueError(f"{m} fills AR's skeleton: list ar before it in methods")
         if temperature > 0:
             raise ValueError(f"{m} is a greedy diagnostic: drop it when decode.temperature > 0")
+
+
+def reset(decoder: Decoder) -> None:
+    """Forget what ``decoder`` learnt from earlier requests, if it learns at all."""
+    if hasattr(decoder, "reset"):
+        decoder.reset()
 
 
 def build(methods: list[str], ctx: DecoderContext) -> dict[str, Decoder]:

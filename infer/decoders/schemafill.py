@@ -26,7 +26,7 @@ Our reading of paper §4 (DESIGN §4), round by round:
    current and next call. Stops with MAIN (first closed object, EOS, or the cap).
 
 Ablations (``decode.ablation``): A = EAGLE-3 only; B = + forecast-guided initialisation and
-structural packing (no prepared values), recycled copies; C = + SIDE branches, packing within a call;
+structural packing (no prepared values), prompt-lookup copies; C = + SIDE branches, packing within a call;
 D = + packing across calls (full SchemaFill).
 
 Decisions where the paper is silent: each round a SIDE branch contributes its pending
@@ -41,7 +41,7 @@ the schema's other keys get branches too, after every predicted one, so a value 
 MAIN writes an optional key (the packer never proposes an unpredicted key by itself); same
 10 requests: 243 -> 235 target calls.
 Beyond the paper (``copy_len``, 4 by default, from stage B on): MAIN's tree also gets two
-recycled chains (``infer/recycle.py``), the tokens after the committed text's longest
+prompt-lookup chains (``infer/lookup.py``), the tokens after the committed text's longest
 suffix (<= 3 tokens) in the prompt and in the response so far — values are mostly copied
 from the request, and a 135M target's responses repeat themselves. BFCL, 10 requests, the
 head of ``make run``: AL 4.40 -> 5.47, nodes per verification 17.8 -> 22.9; copying into
@@ -62,7 +62,7 @@ from infer.forecast import call_plan, forecast_groups, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
 from infer.packer import CallPlan, continuation_ids, propose
 from infer.phases import Phases
-from infer.recycle import recycle
+from infer.lookup import copy_after_suffix
 from infer.session import MainSession
 from infer.side import SideBranches, SideContexts
 from infer.tree import chain, merge
@@ -81,7 +81,7 @@ class SchemaFillConfig:
     side_depth: int = 1
     pack_provisional: bool = True  # pack a value's unclosed SIDE prefix too
     side_optional: bool = True  # branches for the schema keys the forecast did not predict, last
-    copy_len: int = 4  # MAIN chains recycled from the prompt and from the response, at most this long; 0 = off
+    copy_len: int = 4  # MAIN chains copied from the prompt and from the response, at most this long; 0 = off
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -173,7 +173,7 @@ class SchemaFill:
                 realized = {(current, k) for k, _, _ in state.spans}
                 side.retire_stale(plans, current, realized)
                 side.activate(plans, current, realized)
-            # ---- MAIN proposal: head tree, recycled copies, packed chain
+            # ---- MAIN proposal: head tree, prompt-lookup copies, packed chain
             with phases("drafting"):
                 tokens, parents = self._main_tree(s, prompt, plans, side, text, state)
             # ---- SIDE nodes: each branch's pending token and the head's draft after it
@@ -214,12 +214,12 @@ class SchemaFill:
 
     def _main_tree(self, s: MainSession, prompt: list[int], plans: list[CallPlan], side: SideBranches,
                    text: str, state: Any) -> tuple[list[int], list[int]]:
-        """The head's draft tree, merged with recycled copies and the packer's chain."""
+        """The head's draft tree, merged with prompt-lookup copies and the packer's chain."""
         cfg = self.cfg
         tokens, parents = self.drafter.draft(s.tokens, s.new_aux)
         if cfg.copy_len and cfg.forecasts:
             # values are mostly copied from the request, and a response repeats itself
-            copies = [chain(recycle(s.tokens, source, length=cfg.copy_len)) for source in (prompt, s.response)]
+            copies = [chain(copy_after_suffix(s.tokens, source, length=cfg.copy_len)) for source in (prompt, s.response)]
             tokens, parents = merge([(tokens, parents), *copies])
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None

@@ -1,123 +1,170 @@
-"""ToolSpec baseline (issue #10): schema-FSM drafting plus retrieval, one verified token tree.
+"""ToolSpec (method ``toolspec``) as its authors built it (hemingkx/ToolSpec,
+``evaluation/inference_toolspec.py``), adapted only where our response format forces it.
 
-What follows ToolSpec (Xia et al., 2026) as the paper and the issue describe it:
+Each step drafts from one source, in the authors' order:
 
-* **Schema state machine.** From MAIN's parse state the response grammar predicts the
-  structural text it can: the header, a tool-name continuation for every catalog tool the
-  typed prefix still allows, then ``", "arguments": {"`` and the chosen tool's keys in
-  schema order (its required ones, or all when none is required; a partial key completes
-  to any schema key) with their delimiters, up to the first value; after a call, both ``]}`` and
-  ``, {"name": ...`` for each tool. (Built on the packer with one plan per tool and no
-  prepared values: the same canonical serialization SchemaFill uses.)
-* **Retrieval.** A summary of the request — the mean of the target's three fused hidden
-  states over the prompt, from the prefill — is compared by cosine similarity with the
-  requests decoded before (a store filled as requests finish; a request never retrieves
-  its own output); the top 3 outputs are sources of candidate continuations.
-* **One tree.** Candidates are merged into one prefix tree and verified by the target like
-  EAGLE-3's; the longest greedy path plus the correction is committed, so it is lossless.
+* **step 0** (the prefill's tree): the response prefix plus every catalog tool's name,
+  uncapped (``{"tool_calls": [{"name": "<tool>``);
+* **step 1**: for the tool the response now ends with, one chain per parameter up to its
+  value (``", "arguments": {"<key>": ``), or the bare arguments opener if none is detected;
+* **later steps**, first that applies: (1) *retrieval*: n-grams of 7 down to 5 tokens ending
+  the context, matched earliest first in the outputs of the 10 most similar earlier requests
+  (cosine of the target's final hidden state at the prompt's end) followed by the prompt and
+  response so far; up to 4 continuations of 32/16/8/8 tokens, each complete and none a prefix
+  of another (≤ 64 nodes); (2) *schema*: when a field separator ends the last 4 tokens, the
+  detected tool's keys that complete what follows it; (3) *token recycling*
+  (``infer/token_recycling.py``): the 80-node template read from a table of each token's
+  top-8 next tokens, which every verified node writes from the target's logits and which
+  lives for the launch.
 
-Where we had to decide: continuations are taken from a source by *token recycling* — the
-longest suffix (up to 3 tokens) of the committed text found in the source proposes the
-tokens after its last occurrence — and the prompt and the response so far are sources too
-(values are often copied from the request). Chains are added FSM first, then retrieved
-ones in similarity order, until the tree holds ``total`` nodes; each is at most ``length``
-tokens. No learned drafter is involved.
+What differs from their code, and why: our one response format replaces their four prefixes
+(``{"name": ``, ``<tool_call>``, ...) and ``"parameters"``; names are tokenized in context
+rather than alone; a key's chain stops at ``": `` (our values are typed JSON, theirs strings);
+the retrieval key is the final state at the prompt's last token (their prefill stops one
+token earlier); retrieved chains share prefixes in one tree (same acceptance, fewer nodes);
+their self-match guard mixes two index spaces and drops valid matches, ours only requires a
+complete continuation; and where the separator rule finds no key, their tree is a dummy
+token-0 node, ours falls through to recycling. The recycling table and the memory start
+empty in each launch (``reset`` after warm-up) and learn only from this launch's outputs.
+Lossless at temperature 0; exact under sampling (drafts depend only on committed tokens;
+the authors decode greedily only).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
-from infer.forecast import call_plan
-from infer.packer import CallPlan, continuation_ids, propose
+from infer.lookup import first_matches
+from infer.packer import continuation_ids
 from infer.phases import Phases
-from infer.recycle import recycle
-from infer.session import MainSession
+from infer.retrieval import RetrievalStore
+from infer.session import MainSession, Verified
+from infer.token_recycling import RecyclingTable, template_tree
 from infer.tree import chain, merge
+from schemafill import response_format as fmt
+from schemafill.config import ToolSpecConfig
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
 
+ARGUMENTS = '", "arguments": {'  # after a tool's name, up to its first key
 
-class RetrievalStore:
-    """Outputs of requests decoded so far, keyed by their request summaries."""
 
-    def __init__(self, k: int = 3) -> None:
-        self.k = k
-        self.ids: list[str] = []
-        self.keys: list[torch.Tensor] = []
-        self.outputs: list[list[int]] = []
+class SchemaFSM:
+    """ToolSpec's schema drafts for one request: texts the response may continue along."""
 
-    def add(self, request_id: str, summary: torch.Tensor, output: list[int]) -> None:
-        if request_id in self.ids:  # decoded again (warm-up, repeats): keep the first
-            return
-        self.ids.append(request_id)
-        self.keys.append(torch.nn.functional.normalize(summary.float().cpu(), dim=0))
-        self.outputs.append(list(output))
+    def __init__(self, request: ToolRequest) -> None:
+        self.tools = {fn["name"]: list((fn.get("parameters") or {}).get("properties") or {})
+                      for fn in request.functions}
+        self.tool: str | None = None  # detected once the response ends with a tool's name
 
-    def nearest(self, summary: torch.Tensor, exclude: str) -> list[list[int]]:
-        """The ``k`` most similar earlier outputs, most similar first; never ``exclude``'s."""
-        if not self.keys:
+    def names(self) -> list[str]:
+        return [fmt.HEADER + '{"name": "' + name for name in self.tools]
+
+    def detect(self, text: str) -> None:
+        if self.tool is None:
+            self.tool = next((t for t in self.tools if text.endswith('"name": "' + t)), None)
+
+    def first_keys(self, text: str) -> list[str]:
+        keys = self.tools.get(self.tool) or []
+        if not keys:
+            return [text + ARGUMENTS + '"']
+        return [text + ARGUMENTS + fmt.dumps(k) + ": " for k in keys]
+
+    def next_keys(self, text: str, tail: str) -> list[str]:
+        """Keys of the detected tool completing what follows a separator in ``tail`` (the last
+        tokens' text); [] when none is there."""
+        at = tail.rfind(fmt.FIELD_BRIDGE)
+        if at < 0 or self.tool is None:
             return []
-        sims = torch.stack(self.keys) @ torch.nn.functional.normalize(summary.float().cpu(), dim=0)
-        order = sims.argsort(descending=True).tolist()
-        return [self.outputs[i] for i in order if self.ids[i] != exclude][: self.k]
+        typed = tail[at + len(fmt.FIELD_BRIDGE):]
+        return [text + (fmt.dumps(k) + ": ")[len(typed):] for k in self.tools[self.tool]
+                if (fmt.dumps(k) + ": ").startswith(typed)]
 
 
-def build(ctx: DecoderContext, method: str) -> "ToolSpec":
-    return ToolSpec(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens)
+def retrieval_candidates(tokens: list[int], retrieved: list[int], cfg: ToolSpecConfig) -> list[list[int]]:
+    """Continuations of the context's trailing n-gram in the retrieved outputs, then in the
+    context itself: one per slot length, complete, none a prefix of another."""
+    source = retrieved + tokens
+    found: list[list[int]] = []
+    for start in first_matches(tokens, source, cfg.ngram_min, cfg.ngram_max):
+        if len(found) == len(cfg.candidates):
+            break
+        c = source[start:start + cfg.candidates[len(found)]]
+        if len(c) < cfg.candidates[len(found)]:
+            continue
+        if any(c[:len(f)] == f or f[:len(c)] == c for f in found):
+            continue
+        found.append(c)
+    return found
 
 
 class ToolSpec:
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
-                 total: int = 16, length: int = 12, k: int = 3) -> None:
-        self.target, self.tokenizer, self.eos, self.max_new_tokens = target, tokenizer, eos, max_new_tokens
-        self.total, self.length = total, length
-        self.store = RetrievalStore(k)
+                 cfg: ToolSpecConfig) -> None:
+        self.target, self.tokenizer, self.eos, self.max_new_tokens, self.cfg = target, tokenizer, eos, max_new_tokens, cfg
+        self.template = template_tree()
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty table and memory (a launch's measured pass starts here)."""
+        self.table = RecyclingTable(self.target.config.vocab_size, self.cfg.recycling_topk, self.target.device)
+        self.store = RetrievalStore(self.cfg.retrieve)
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         phases = Phases("drafting", "verification")
-        plans = {fn["name"]: call_plan(fn) for fn in request.functions}
+        fsm = SchemaFSM(request)
+        with phases("drafting"):
+            first = self._along([], "", fsm.names())
+        scratch = max(len(self.template[0]), sum(self.cfg.candidates), len(first[0]), self._keys_bound(fsm))
         s = MainSession(self.target, prompt, ResponseStop(self.tokenizer, self.eos, self.max_new_tokens),
-                        scratch=self.total, sampler=options.sampler, constraint=options.constraint)
+                        scratch=scratch, sampler=options.sampler, constraint=options.constraint)
         with phases("verification"):
-            s.prefill()
-        summary = s.new_aux[: len(prompt)].mean(0)  # [3H]
-        sources = self.store.nearest(summary, exclude=request.id)
+            self._learn(s.prefill(*first))
+        retrieved = [t for out in self.store.nearest(s.prompt_final, exclude=request.id) for t in out]
+        step = 1
         while not s.done:
             with phases("drafting"):
-                tokens, parents = self._tree(s, plans, sources + [prompt])
+                fsm.detect(s.stop.parsed_text)
+                tree = self._tree(s, fsm, retrieved, step)
             with phases("verification"):
-                s.verify(tokens, parents)
-        self.store.add(request.id, summary, s.response)
+                self._learn(s.verify(*tree))
+            step += 1
+        self.store.add(request.id, s.prompt_final, s.response)
         return s.decoded(times=phases.times)
 
-    def _tree(self, s: MainSession, plans: dict[str, CallPlan], sources: list[list[int]]) -> tuple[list, list]:
-        text, state = s.stop.parsed_text, s.stop.parser.state
-        committed = s.response
-        chains = []
-        # the schema FSM: one canonical continuation per tool the committed text still allows
-        position = state.call_index if state.call_index is not None else state.calls_started
-        realized = [plans[state.tool_name]] if state.tool_name in plans else list(plans.values())
-        for plan in realized:
-            suffix = propose(text, state, [plan] * (position + 1), cross_calls=state.call_index is None)
-            if suffix:
-                chains.append(continuation_ids(self.tokenizer, committed, text, suffix.rstrip(" ")))
-        if state.call_index is None and state.calls_started:  # or the list closes here
-            chains.append(continuation_ids(self.tokenizer, committed, text, propose(text, state, [])))
-        # retrieval and recycling: earlier outputs, the prompt, the response so far
-        context = s.tokens  # prompt + committed (the pending token last)
-        for source in sources + [committed]:
-            chains.append(recycle(context, source, length=self.length))
-        tree: tuple[list, list] = ([], [])
-        for c in chains:
-            if not c:
-                continue
-            grown = merge([tree, chain(c[: self.length])])
-            if len(grown[0]) > self.total:
-                continue
-            tree = grown
-        return tree
+    def _tree(self, s: MainSession, fsm: SchemaFSM, retrieved: list[int], step: int) -> tuple[list, list]:
+        text, committed = s.stop.parsed_text, s.response
+        if step == 1:
+            return self._along(committed, text, fsm.first_keys(text))
+        found = retrieval_candidates(s.tokens, retrieved, self.cfg)
+        if found:
+            return merge([chain(c) for c in found])
+        tail = self.tokenizer.decode(committed[-4:], skip_special_tokens=True)
+        keys = self._along(committed, text, fsm.next_keys(text, tail))
+        if keys[0]:
+            return keys
+        parents, columns = self.template
+        return self.table.draft(s.tokens[-1], parents, columns), parents
+
+    def _along(self, committed: list[int], text: str, targets: list[str]) -> tuple[list, list]:
+        """One merged tree of the continuations of ``text`` toward each target text."""
+        chains = [continuation_ids(self.tokenizer, committed, text, t[len(text):]) for t in targets
+                  if t.startswith(text)]
+        return merge([chain(c) for c in chains if c]) if chains else ([], [])
+
+    def _keys_bound(self, fsm: SchemaFSM) -> int:
+        """Most nodes a key step may draft (its chains, unmerged, a token of slack each for
+        merges across the boundary)."""
+        def size(texts: list[str]) -> int:
+            return sum(len(self.tokenizer(t, add_special_tokens=False).input_ids) + 1 for t in texts)
+        return max([size([ARGUMENTS + fmt.dumps(k) + ": " for k in keys]) for keys in fsm.tools.values()] + [0])
+
+    def _learn(self, v: Verified) -> None:
+        if v.main_logits is not None and v.main_tokens:
+            self.table.update(v.main_tokens, v.main_logits)
+
+
+def build(ctx: DecoderContext, method: str) -> ToolSpec:
+    return ToolSpec(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.toolspec)

@@ -1,0 +1,202 @@
+"""The training-free peers: prompt lookup, suffix trees, token recycling and ToolSpec's
+retrieval and schema FSM on literal cases; every peer lossless against AR on a random
+model (free and constrained, including trees of duplicate tokens from an empty recycling
+table) and on the built-in model, where each must also save target calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.constraint import SchemaGrammars
+from infer.decoders.ar import decode_ar
+from infer.decoders.ngram import Ngram
+from infer.decoders.suffix import SuffixDecoding
+from infer.decoders.toolspec import SchemaFSM, ToolSpec, retrieval_candidates
+from infer.decoders.toolspec_lite import ToolSpecLite
+from infer.decoding import DecodeOptions
+from infer.lookup import copy_after_suffix, first_matches, ngram_lookup
+from infer.suffix_tree import SuffixTree
+from infer.token_recycling import RecyclingTable, template_tree
+from infer.tree import ROOT, depths
+from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
+from schemafill.models import generation_eos, load_tokenizer
+from schemafill.prompt import prompt_ids
+from schemafill.runtime import load_target
+from tests.test_schemafill import CASES, WEATHER, request
+
+
+# ---------------------------------------------------------------- prompt lookup
+def test_copy_after_suffix_takes_the_longest_suffix_and_its_last_occurrence():
+    source = [1, 2, 3, 9, 2, 3, 4, 5, 6]
+    assert copy_after_suffix([7, 2, 3], source, length=2) == [4, 5]  # "2 3" last seen before 4 5
+    assert copy_after_suffix([1, 2, 3], source, length=3) == [9, 2, 3]  # the 3-token suffix wins over "2 3"
+    assert copy_after_suffix([8, 8], source) == []
+    assert copy_after_suffix([6], source) == []  # at the very end: nothing follows
+
+
+def test_ngram_lookup_longest_ngram_earliest_occurrence():
+    ctx = [5, 1, 2, 7, 1, 2, 8, 3, 1, 2]
+    assert ngram_lookup(ctx, 1, 4, 3) == [7, 1, 2]  # "1 2" (3 1 2 occurs nowhere else), first seen before 7
+    assert ngram_lookup(ctx, 3, 4, 3) == []  # no earlier 3-gram "3 1 2"
+    assert ngram_lookup([4, 4, 4], 1, 2, 5) == [4]  # an occurrence overlapping the tail counts; cut at the end
+    assert ngram_lookup([9, 1, 2, 9], 1, 1, 2) == [1, 2]
+    assert ngram_lookup([1, 2, 3], 1, 3, 4) == []
+    with pytest.raises(ValueError):
+        ngram_lookup(ctx, 3, 2, 1)
+
+
+def test_first_matches_longest_n_first_then_earliest():
+    source = [1, 2, 3, 0, 2, 3, 0, 1, 2, 3]
+    assert list(first_matches([1, 2, 3], source, 2, 3)) == [3, 3, 6]  # n=3, then n=2; never the source's own end
+
+
+# ---------------------------------------------------------------- suffix trees
+def test_suffix_tree_counts_and_speculates_by_frequency():
+    t = SuffixTree(max_depth=4)
+    t.extend("a", [1, 2, 3, 1, 2, 4, 1, 2, 3])
+    assert t.root.count == 9 and t.root.children[1].count == 3
+    assert t.root.children[1].children[2].children[3].count == 2
+    # tail "1 2" (3 occurrences, one is the tail itself): 3 follows twice (2/3), 4 once (1/3);
+    # after "1 2 3" (twice), 1 once: 2/3 * 1/2. Tails "2" and "1 2" score alike: the longer wins
+    d = t.speculate([9, 1, 2], max_spec_tokens=8, factor=2.0)
+    assert d.tokens == [3, 1] and d.parents == [ROOT, 0] and d.match == 2
+    assert d.score == pytest.approx(2 / 3 + 1 / 3)
+    wide = t.speculate([9, 1, 2], max_spec_tokens=8, factor=2.0, tree=True, min_token_prob=0.3)
+    assert wide.tokens == [3, 4] and wide.parents == [ROOT, ROOT]  # best first: 4 (1/3) ties 1 and came first
+    assert t.speculate([9, 1, 2], 8, factor=0.5).tokens == [3]  # m = 1 earns no token, m = 2 one
+    assert t.speculate([9, 1, 2], 8, factor=2.0, min_token_prob=0.7).tokens == []
+    assert t.speculate([7, 7], 8).tokens == []
+
+
+def test_suffix_tree_budget_grows_with_the_match():
+    t = SuffixTree(max_depth=8)
+    t.extend("a", [1, 2, 3, 4, 5, 6])
+    t.extend("b", [9, 9, 3])
+    assert t.speculate([0, 3], 8, factor=1.0).tokens == [4]  # m = 1 (the whole context is never matched)
+    assert t.speculate([0, 2, 3], 8, factor=1.0).tokens == [4, 5]  # m = 2: two tokens, each certain
+    assert t.speculate([0, 2, 3], 1, factor=1.0).tokens == [4]  # the cap
+
+
+def test_suffix_tree_remove_restores_the_counts():
+    t = SuffixTree(max_depth=3)
+    t.extend("keep", [1, 2, 3])
+    before = repr(t.root)
+    t.extend("gone", [1, 2, 5, 1])
+    t.extend("gone", [2])  # extended in two parts
+    t.remove("gone")
+    assert repr(t.root) == before and len(t) == 1
+
+
+def test_suffix_drafter_reads_earlier_responses_and_keeps_prompts_out_of_them():
+    cfg = SuffixConfig(max_tree_depth=8, min_token_prob=0.0)
+    from infer.decoders.suffix import RequestDrafter
+
+    responses = SuffixTree(8)
+    responses.extend("earlier", [4, 5, 6, 7])
+    d = RequestDrafter(cfg, responses, "now", prompt_len=3)
+    assert d.draft([1, 4, 5], None) == ([6, 7], [ROOT, 0])  # only the earlier response knows "4 5"
+    assert responses.sequences["now"] == []  # prompt tokens stay out of the response tree
+    d.draft([1, 4, 5, 8], None)
+    assert responses.sequences["now"] == [8]
+
+
+# ---------------------------------------------------------------- token recycling
+def test_recycling_template_is_tool_specs_80_node_tree():
+    parents, columns = template_tree()
+    assert len(parents) == 80
+    assert [depths(parents).count(d) for d in range(1, 7)] == [8, 21, 25, 15, 8, 3]
+    assert sum(p == ROOT for p in parents) == 8 and columns[:8] == list(range(8))
+
+
+def test_recycling_table_learns_top_k_and_drafts_through_rows():
+    table = RecyclingTable(vocab_size=10, k=2)
+    logits = torch.full((2, 10), -1.0)
+    logits[0, [4, 6]] = torch.tensor([2.0, 1.0])  # at token 3: 4, then 6
+    logits[1, [7, 8]] = torch.tensor([1.0, 3.0])  # at token 4: 8, then 7
+    table.update([3, 4], logits)
+    assert table.next[3].tolist() == [4, 6] and table.next[4].tolist() == [8, 7]
+    parents, columns = [ROOT, ROOT, 0, 0, 2], [0, 1, 0, 1, 0]
+    assert table.draft(3, parents, columns) == [4, 6, 8, 7, 0]  # row 8 is unseen: zeros
+
+
+# ---------------------------------------------------------------- ToolSpec's pieces
+def test_retrieval_candidates_take_complete_chains_one_length_per_slot():
+    cfg = ToolSpecConfig(ngram_max=3, ngram_min=2, candidates=[3, 2])
+    retrieved = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 9]
+    # "2 3" after "1 2 3": first at 3 (4 5 6), then a prefix of it (4 5 ... no: 4 9 differs)
+    # "1 2 3" at 0 (then 4 5 6: slot 1, 3 tokens) and at 6 (then 4 9: slot 2, 2 tokens, not a prefix)
+    assert retrieval_candidates([7, 1, 2, 3], retrieved, cfg) == [[4, 5, 6], [4, 9]]
+    assert retrieval_candidates([7, 8, 5, 6], retrieved, cfg) == [[1, 2, 3]]  # n = 2 when no 3-gram matches
+    same = ToolSpecConfig(ngram_max=3, ngram_min=2, candidates=[2, 2])
+    assert retrieval_candidates([7, 1, 2, 3], [1, 2, 3, 4, 5] * 2, same) == [[4, 5]]  # the same chain once
+    short = ToolSpecConfig(ngram_max=2, ngram_min=2, candidates=[5])
+    assert retrieval_candidates([0, 4, 9], [4, 9, 1], short) == []  # 1 0 4 9 is one token short: dropped
+
+
+def test_schema_fsm_names_keys_and_separator_rule():
+    fsm = SchemaFSM(request("bm25"))
+    assert fsm.names()[0] == '{"tool_calls": [{"name": "get_weather'
+    fsm.detect('{"tool_calls": [{"name": "get_weath')
+    assert fsm.tool is None and fsm.first_keys("x") == ['x", "arguments": {"']
+    text = '{"tool_calls": [{"name": "get_weather'
+    fsm.detect(text)
+    assert fsm.tool == "get_weather"
+    assert fsm.first_keys(text) == [text + '", "arguments": {"city": ', text + '", "arguments": {"unit": ']
+    typed = text + '", "arguments": {"city": "Oslo", "u'
+    assert fsm.next_keys(typed, 'Oslo", "u') == [typed + 'nit": ']
+    assert fsm.next_keys(typed, 'Oslo"') == []
+    assert WEATHER["function"]["name"] == "get_weather"
+
+
+# ---------------------------------------------------------------- lossless
+def peers(target, tok, eos, max_new):
+    return {"ngram": Ngram(target, tok, eos, max_new, NgramConfig()),
+            "suffix": SuffixDecoding(target, tok, eos, max_new, SuffixConfig()),
+            "suffix_path": SuffixDecoding(target, tok, eos, max_new, SuffixConfig(tree=False, min_token_prob=0.0)),
+            "toolspec": ToolSpec(target, tok, eos, max_new, ToolSpecConfig()),
+            "toolspec_lite": ToolSpecLite(target, tok, eos, max_new)}
+
+
+def test_peers_lossless_on_a_random_model(tiny_target):
+    """A random model repeats itself: suffix and n-gram drafts get accepted and rejected at
+    every depth; the empty recycling table drafts trees of duplicate tokens (all zeros)."""
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    grammars = SchemaGrammars(tok, target.config.vocab_size)
+    methods = peers(target, tok, eos, 32)
+    names = ("bm25", "repeated", "no_params", "twenty")
+    for name in names:
+        req = request(name)
+        ids = prompt_ids(req, "plain", tok)
+        ar = decode_ar(target, tok, ids, 32, eos)
+        constrained = decode_ar(target, tok, ids, 32, eos, constraint=grammars.constraint(req.functions))
+        for method, decoder in methods.items():
+            assert decoder.decode(req, ids).ids == ar.ids, (name, method)
+            out = decoder.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions)))
+            assert out.ids == constrained.ids, (name, method, "constrained")
+    assert methods["toolspec"].table.next.any()  # the table learnt from verified nodes
+    assert len(methods["suffix"].responses) == len(names)  # one response per request: the latest decode
+    assert len(methods["toolspec"].store.ids) == len(names)
+    methods["suffix"].reset()
+    methods["toolspec"].reset()
+    assert len(methods["suffix"].responses) == 0 and not methods["toolspec"].table.next.any()
+
+
+@pytest.mark.slow  # ~2 min on 2 AVX2 cores: `make test-full`
+def test_peers_lossless_and_fewer_calls_on_the_builtin_model(builtin_artifacts):
+    folder = builtin_artifacts / "targets" / "smollm2-135m-base"
+    tok = load_tokenizer(str(folder))
+    eos = generation_eos(str(folder), tok)
+    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27])
+    methods = peers(target, tok, eos, 48)
+    saved = dict.fromkeys(methods, 0)
+    for name in CASES:
+        ids = prompt_ids(request(name), "plain", tok)
+        ar = decode_ar(target, tok, ids, 48, eos)
+        for method, decoder in methods.items():
+            out = decoder.decode(request(name), ids)
+            assert out.ids == ar.ids, (name, method)
+            saved[method] += ar.target_calls - out.target_calls
+    assert all(s > len(CASES) for s in saved.values()), saved  # each drafts something the target takes

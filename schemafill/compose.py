@@ -9,7 +9,6 @@ responses (stage `continuations`). Pure: standard library only.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import defaultdict
 
@@ -21,18 +20,8 @@ def composable(requests: list[ToolRequest]) -> list[ToolRequest]:
     return [r for r in requests if r.reference and len(r.messages) == 1 and r.messages[0]["role"] == "user"]
 
 
-def _calls(parts: list[ToolRequest]) -> list[tuple[str, str]]:
-    return [(c.name, json.dumps(c.arguments, sort_keys=True)) for p in parts for c in p.reference]
-
-
 def compose(parts: list[ToolRequest], rid: str, rng: random.Random) -> ToolRequest | None:
-    """One request doing every part's work, or None when their catalogs conflict or two parts
-    ask for the very same call."""
-    calls = _calls(parts)
-    if len(set(calls)) < len(calls):
-        # near-duplicate corpus requests (same call, other words) would teach the target to
-        # repeat a call; no natural multi-call request asks for one twice
-        return None
+    """One request doing every part's work, or None when their catalogs conflict."""
     tools: dict[str, dict] = {}
     for part in parts:
         for tool in part.tools:
@@ -64,26 +53,25 @@ def compositions(requests: list[ToolRequest], count: int, seed: int, prefix: str
     if len(pool) < max(sizes):
         return []
     by_tool: dict[str, list[ToolRequest]] = defaultdict(list)
-    seen: set[tuple] = set()
     for r in pool:
         names = {c.name for c in r.reference}
-        calls = _calls([r])
-        if len(names) == 1 and tuple(calls) not in seen:  # one request per distinct reference
-            seen.add(tuple(calls))
+        if len(names) == 1:
             by_tool[names.pop()].append(r)
     shared = [group for group in by_tool.values() if len(group) >= min(sizes)]
     rng = random.Random(seed)
     out: list[ToolRequest] = []
     attempts = 0
     while len(out) < count and attempts < 20 * count:
+        attempts += 1
         k = rng.choice(sizes)
-        same = bool(shared) and rng.random() < same_tool_share
-        group = rng.choice(shared) if same else pool
-        for _ in range(10):  # redraw the parts, not the kind: the same-tool share stays what was asked
-            attempts += 1
+        if shared and rng.random() < same_tool_share:
+            group = rng.choice(shared)
             parts = rng.sample(group, min(k, len(group)))
-            composed = compose(parts, f"{prefix}_{len(out)}", rng)
-            if composed is not None:
-                out.append(composed)
-                break
+        else:
+            parts = rng.sample(pool, k)
+        if len({p.id for p in parts}) < len(parts):
+            continue
+        composed = compose(parts, f"{prefix}_{len(out)}", rng)
+        if composed is not None:
+            out.append(composed)
     return out

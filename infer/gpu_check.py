@@ -110,7 +110,8 @@ def verify_costs(target: Target, context: int, sizes: list[int], repeats: int) -
     return out
 
 
-LOSSLESS_METHODS = ["ar", "eagle3", "eagle3_wide", "toolspec", "schemafill_B", "schemafill_C", "schemafill"]
+LOSSLESS_METHODS = ["ar", "eagle3", "eagle3_wide", "toolspec", "toolspec_lite", "ngram", "suffix", "schemafill_B",
+                    "schemafill_C", "schemafill"]
 
 
 def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.tree import ROOT
+from infer.tree import ROOT, depths
 
 
 def _paths() -> tuple[tuple[int, ...], ...]:
@@ -54,12 +54,23 @@ class RecyclingTable:
             self.next.device)
 
     def draft(self, root: int, parents: list[int], columns: list[int]) -> list[int]:
-        """The template's tokens for a tree hanging off ``root``, filled depth by depth."""
-        rows: dict[int, list[int]] = {}  # a parent token's row, read once
-        tokens: list[int] = []
-        for p, c in zip(parents, columns):
-            parent = root if p == ROOT else tokens[p]
-            if parent not in rows:
-                rows[parent] = self.next[parent].tolist()
-            tokens.append(rows[parent][c])
-        return tokens
+        """The template's tokens for a tree hanging off ``root``, filled depth by depth: one
+        gather per depth on the table's device, one transfer at the end."""
+        dev = self.next.device
+        tokens = torch.zeros(len(parents) + 1, dtype=torch.long, device=dev)  # [1 + N]: the root, then the nodes
+        tokens[0] = root
+        for level in _levels(parents):
+            at = torch.tensor(level, device=dev)
+            above = torch.tensor([parents[i] + 1 for i in level], device=dev)  # the root is row 0
+            tokens[at + 1] = self.next[tokens[above], torch.tensor([columns[i] for i in level], device=dev)]
+        return tokens[1:].tolist()
+
+
+def _levels(parents: list[int]) -> list[list[int]]:
+    """Node indices grouped by depth, shallowest first."""
+    out: list[list[int]] = []
+    for i, d in enumerate(depths(parents)):
+        while len(out) < d:
+            out.append([])
+        out[d - 1].append(i)
+    return out

@@ -137,7 +137,7 @@ def test_speculative_sampling_has_ars_distribution():
     fresh = lambda: dataclasses.replace(request("bm25"), id=f"sample{next(count)}")  # noqa: E731
     peers = {"ngram": Ngram(target, tok, eos, max_new, NgramConfig(num_speculative_tokens=2)),
              "suffix": SuffixDecoding(target, tok, eos, max_new, SuffixConfig(min_token_prob=0.0)),
-             "toolspec": ToolSpec(target, tok, eos, max_new, ToolSpecConfig(recycling_topk=3, ngram_min=1))}
+             "toolspec": ToolSpec(target, tok, eos, max_new, ToolSpecConfig(ngram_min=1))}
     got_peers = {name: outputs(lambda s, d=d: d.decode(fresh(), prompt, DecodeOptions(sampler=s)), 5 + i)
                  for i, (name, d) in enumerate(peers.items())}
     assert len(peers["suffix"].responses) == N and peers["toolspec"].table.next.any()  # they learnt

@@ -36,13 +36,16 @@ class RequestDrafter:
     def start(self, capacity: int) -> None:
         pass
 
-    def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
-        c = self.cfg
-        new = tokens[self.seen:]
-        self.local.extend(0, new)
+    def catch_up(self, tokens: list[int]) -> None:
+        """Add the tokens committed since the last call to both trees."""
+        self.local.extend(0, tokens[self.seen:])
         if self.responses is not None:
             self.responses.extend(self.key, tokens[max(self.seen, self.prompt_len):])
         self.seen = len(tokens)
+
+    def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
+        c = self.cfg
+        self.catch_up(tokens)
         context = tokens[-c.max_tree_depth:]
         args = (c.num_speculative_tokens, c.max_spec_factor, c.max_spec_offset, c.min_token_prob, c.tree)
         best = self.local.speculate(context, *args)
@@ -73,9 +76,11 @@ class SuffixDecoding:
             while len(self.cached) > self.cfg.max_cached_requests:
                 self.responses.remove(self.cached.popleft())
         drafter = RequestDrafter(self.cfg, self.responses, request.id, len(prompt))
-        return decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, drafter,
-                           scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
-                           constraint=options.constraint)
+        decoded = decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, drafter,
+                              scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
+                              constraint=options.constraint)
+        drafter.catch_up(list(prompt) + decoded.ids)  # the last verification's tokens too: later requests read them
+        return decoded
 
 
 def build(ctx: DecoderContext, method: str) -> SuffixDecoding:

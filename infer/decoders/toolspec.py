@@ -105,6 +105,9 @@ class ToolSpec:
                  cfg: ToolSpecConfig) -> None:
         self.target, self.tokenizer, self.eos, self.max_new_tokens, self.cfg = target, tokenizer, eos, max_new_tokens, cfg
         self.template = template_tree()
+        if cfg.recycling_topk <= max(self.template[1]):
+            raise ValueError(f"decode.toolspec.recycling_topk={cfg.recycling_topk}: the 80-node template reads "
+                             f"columns up to {max(self.template[1])}, so it needs at least {max(self.template[1]) + 1}")
         self.reset()
 
     def reset(self) -> None:

@@ -129,18 +129,21 @@ class ToolSpec:
         step = 1
         while not s.done:
             with phases("drafting"):
-                fsm.detect(s.stop.parsed_text)
-                tree = self._tree(s, fsm, retrieved, step)
+                # as theirs, the name is looked for before the root (the pending token, their bonus token)
+                before_root = self.tokenizer.decode(s.response[:-1], skip_special_tokens=True)
+                fsm.detect(before_root)
+                tree = self._tree(s, fsm, retrieved, step, before_root)
             with phases("verification"):
                 self._learn(s.verify(*tree))
             step += 1
         self.store.add(request.id, s.prompt_final, s.response)
         return s.decoded(times=phases.times)
 
-    def _tree(self, s: MainSession, fsm: SchemaFSM, retrieved: list[int], step: int) -> tuple[list, list]:
+    def _tree(self, s: MainSession, fsm: SchemaFSM, retrieved: list[int], step: int,
+              before_root: str) -> tuple[list, list]:
         text, committed = s.stop.parsed_text, s.response
-        if step == 1:
-            return self._along(committed, text, fsm.first_keys(text))
+        if step == 1:  # the chains start before the root: the ones the root continues are kept
+            return self._along(committed, text, fsm.first_keys(before_root))
         found = retrieval_candidates(s.tokens, retrieved, self.cfg)
         if found:
             return merge([chain(c) for c in found])

@@ -42,7 +42,7 @@ class SuffixTree:
     def __init__(self, max_depth: int = 24) -> None:
         self.max_depth = max_depth
         self.root = Node()
-        self.sequences: dict[object, list[int]] = {}
+        self.sequences: dict[object, list[int]] = {}  # in the order they were first extended
         self.open: dict[object, list[Node]] = {}  # per sequence: nodes of its suffixes still < max_depth
 
     def extend(self, seq: object, tokens: list[int]) -> None:

@@ -12,7 +12,6 @@ only on committed tokens).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import torch
@@ -65,16 +64,12 @@ class SuffixDecoding:
     def reset(self) -> None:
         """Forget every earlier response (a launch's measured pass starts here)."""
         self.responses = SuffixTree(self.cfg.max_tree_depth) if self.cfg.max_cached_requests else None
-        self.cached: deque[str] = deque()
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         if self.responses is not None:
             self.responses.remove(request.id)  # decoded before (warm-up, samples): never match itself
-            if request.id in self.cached:
-                self.cached.remove(request.id)
-            self.cached.append(request.id)
-            while len(self.cached) > self.cfg.max_cached_requests:
-                self.responses.remove(self.cached.popleft())
+            while len(self.responses) >= self.cfg.max_cached_requests:  # room for this one: the oldest go
+                self.responses.remove(next(iter(self.responses.sequences)))
         drafter = RequestDrafter(self.cfg, self.responses, request.id, len(prompt))
         decoded = decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, drafter,
                               scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,

@@ -129,8 +129,10 @@ class ToolSpec:
         step = 1
         while not s.done:
             with phases("drafting"):
-                # as theirs, the name is looked for before the root (the pending token, their bonus token)
-                before_root = self.tokenizer.decode(s.response[:-1], skip_special_tokens=True)
+                # as theirs, the name is looked for before the root (the pending token, their bonus
+                # token); once found, the text is no longer decoded every step
+                before_root = (self.tokenizer.decode(s.response[:-1], skip_special_tokens=True)
+                               if fsm.tool is None or step == 1 else "")
                 fsm.detect(before_root)
                 tree = self._tree(s, fsm, retrieved, step, before_root)
             with phases("verification"):

@@ -9,10 +9,14 @@ requests of a launch also have ``reset()`` (``infer.decoders.reset``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from infer.constraint import Constraint
+from infer.cost_model import CostModel, load_or_measure
+from infer.node_budget import NodeBudget
 from infer.sampling import Sampler
 from schemafill.config import DecodeConfig
 from schemafill.runtime import Target
@@ -59,6 +63,7 @@ class DecoderContext:
     head_folder: str
     skeletons: dict[str, dict] = field(default_factory=dict)  # AR's outputs by request id, as AR decodes them
     _head: Any = None
+    _cost: Any = None
 
     @property
     def head(self) -> Any:
@@ -67,3 +72,22 @@ class DecoderContext:
 
             self._head = load_runtime_head(self.head_folder, self.target)
         return self._head
+
+    @property
+    def cost(self) -> CostModel | None:
+        """The target's measured verification cost on this host (``decode.select=cost``;
+        measured once per host and cached), or None for the fixed budget."""
+        if self.decode.select != "cost":
+            return None
+        if self._cost is None:
+            folder = self.decode.cost_cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / \
+                "schemafill" / "cost"
+            self._cost, fresh = load_or_measure(self.target, folder, self.decode.cost_context)
+            a, b = self._cost.linear_fit()
+            print(f"[infer] verification cost c(n) {'measured' if fresh else 'cached'}: {a:.1f} + {b:.2f}·n ms "
+                  f"(c(1) {self._cost(1):.1f}, c(32) {self._cost(32):.1f}, c(64) {self._cost(64):.1f} ms)")
+        return self._cost
+
+    def budget(self, max_nodes: int | None = None) -> NodeBudget:
+        """A fresh per-decoder node budget: cost-aware under ``decode.select=cost``."""
+        return NodeBudget(self.cost, max_nodes=max_nodes)

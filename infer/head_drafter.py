@@ -16,11 +16,14 @@ catch-up; nothing drafted ever enters the committed head KV.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from infer.acceptance import head_source
+from infer.candidates import Candidates
 from infer.tree import ROOT
 from schemafill.config import DecodeConfig
 from schemafill.drafter import Eagle3Head, load_head
@@ -85,11 +88,23 @@ class HeadDrafter:
         """[N, H] head outputs -> the most probable next token (a target id) after each."""
         return [self.draft_to_target[d] for d in self.head.logits(outs).argmax(-1).tolist()]
 
-    @torch.inference_mode()
     def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The draft tree (tokens, parents); ``scored`` has the arguments."""
+        tree, parents, _ = self.scored(tokens, new_aux)
+        return tree, parents
+
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor) -> Candidates:
+        """The draft tree, each node tagged with the bucket of the head's own probability for it
+        (given its parent): what cost-aware selection reads as its acceptance estimate."""
+        tree, parents, q = self.scored(tokens, new_aux)
+        return Candidates(tree, parents, [head_source(x) for x in q])
+
+    @torch.inference_mode()
+    def scored(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int], list[float]]:
         """tokens: prompt + committed (the last ones pending: their target features do not
         exist yet); new_aux: [M, 3H] target features of the M newest positions that have them
-        (those the head has not seen). The tree hangs off the last pending token."""
+        (those the head has not seen). The tree hangs off the last pending token. Returns the
+        tree and the head's probability of each node given its parent."""
         head, dev, b = self.head, self.device, self.budget
         h, m = self.done, new_aux.shape[0]
         n = h + m  # positions with target features; the first pending token sits at position n
@@ -158,7 +173,8 @@ class HeadDrafter:
                 chosen.add(i)
         keep = sorted(chosen)  # creation order is topological
         index = {i: j for j, i in enumerate(keep)}
-        return [tok[i] for i in keep], [ROOT if parent[i] == ROOT else index[parent[i]] for i in keep]
+        q = [math.exp(score[i] - (0.0 if parent[i] == ROOT else score[parent[i]])) for i in keep]
+        return [tok[i] for i in keep], [ROOT if parent[i] == ROOT else index[parent[i]] for i in keep], q
 
 
 def load_runtime_head(folder: str | Path, target: Target) -> Eagle3Head:

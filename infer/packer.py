@@ -40,31 +40,39 @@ class CallPlan:
     values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
 
 
+# what each piece of a proposal is, for the acceptance estimates (infer/acceptance.py)
+BRIDGE, VALUE, PROVISIONAL = "bridge", "value", "provisional"
+Piece = tuple[str | None, str]  # (text, kind); text None where a value is unknown
+
+
 def _call_pieces(tool: str, fields: list[tuple[str, str | None]],
-                 provisional: dict[str, str] | None = None) -> list[str | None]:
+                 provisional: dict[str, str] | None = None) -> list[Piece]:
     """Text pieces of one call; None where a value is unknown (the proposal stops there,
     after the value's provisional prefix if it has one)."""
-    out: list[str | None] = [call_header(tool)]
+    out: list[Piece] = [(call_header(tool), BRIDGE)]
     for i, (key, value) in enumerate(fields):
-        out.append((FIELD_BRIDGE if i else "") + dumps(key) + ": ")
+        out.append(((FIELD_BRIDGE if i else "") + dumps(key) + ": ", BRIDGE))
         if value is None and provisional and key in provisional:
-            out.append(provisional[key])
-        out.append(value)
-    out.append(CALL_CLOSE)
+            out.append((provisional[key], PROVISIONAL))
+        out.append((value, VALUE))
+    out.append((CALL_CLOSE, BRIDGE))
     return out
 
 
-def _plan_pieces(plan: CallPlan, provisional: dict[str, str] | None) -> list[str | None]:
+def _plan_pieces(plan: CallPlan, provisional: dict[str, str] | None) -> list[Piece]:
     return _call_pieces(plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional)
 
 
-def _join(pieces: list[str | None]) -> str:
-    text = []
-    for p in pieces:
+def _join(pieces: list[Piece]) -> tuple[str, list[str]]:
+    """The text up to the first unknown piece, and the kind of each of its characters."""
+    text: list[str] = []
+    kinds: list[str] = []
+    for p, kind in pieces:
         if p is None:
             break
         text.append(p)
-    return "".join(text)
+        kinds += [kind] * len(p)
+    return "".join(text), kinds
 
 
 def _realized(text: str, state: ParseState) -> list[tuple[str, str]]:
@@ -96,37 +104,64 @@ def _current_fields(text: str, state: ParseState, plan: CallPlan) -> list[tuple[
 def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
             provisional: dict[tuple[int, str], str] | None = None) -> str:
     """The predicted continuation of MAIN's committed ``text`` (empty when there is none)."""
+    return propose_tagged(text, state, plans, cross_calls, provisional)[0]
+
+
+def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
+                   provisional: dict[tuple[int, str], str] | None = None) -> tuple[str, list[str]]:
+    """``propose``, with the kind of each character: a structural bridge (call header, keys,
+    separators, closings), a prepared value, or a provisional value still being prepared."""
     ahead: dict[int, dict[str, str]] = {}  # call -> key -> unclosed value prefix
     for (j, key), prefix in (provisional or {}).items():
         ahead.setdefault(j, {})[key] = prefix
     if state.closed or state.error is not None:
-        return ""
+        return "", []
     if state.call_index is not None:  # inside call j: rebuild it from its "{"
         j = state.call_index
         plan = plans[j] if j < len(plans) else None
         tool = state.tool_name or (plan.tool if plan else None)
         if tool is None or plan is None or plan.tool != tool:
-            return ""  # the caller rebinds plans to realized tools before asking
+            return "", []  # the caller rebinds plans to realized tools before asking
         fields = _current_fields(text, state, plan)
         if fields is None:
-            return ""
+            return "", []
         # a provisional value MAIN has already run past proposes nothing (no prefix match)
         base, pieces, nxt = text[:state.call_start], _call_pieces(tool, fields, ahead.get(j)), j + 1
     elif state.calls_started:  # between calls: after the "}" of the last one
         base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
     else:  # no call yet
-        base, pieces, nxt = "", [HEADER], 0
+        base, pieces, nxt = "", [(HEADER, BRIDGE)], 0
         if nxt < len(plans):
             pieces += _plan_pieces(plans[0], ahead.get(0))
             nxt = 1
-    if cross_calls or not pieces or pieces == [HEADER]:
+    if cross_calls or not pieces or pieces == [(HEADER, BRIDGE)]:
         for j in range(nxt, len(plans)):
-            pieces += [CALL_BRIDGE] + _plan_pieces(plans[j], ahead.get(j))
-        pieces.append(CLOSE)
-    predicted = base + _join(pieces)
+            pieces += [(CALL_BRIDGE, BRIDGE)] + _plan_pieces(plans[j], ahead.get(j))
+        pieces.append((CLOSE, BRIDGE))
+    joined, kinds = _join(pieces)
+    predicted = base + joined
     if not predicted.startswith(text):
-        return ""
-    return predicted[len(text):]
+        return "", []
+    kinds = [BRIDGE] * len(base) + kinds
+    return predicted[len(text):], kinds[len(text):]
+
+
+def token_kinds(tokenizer: Any, committed: list[int], text: str, suffix: str, kinds: list[str],
+                ids: list[int]) -> list[str]:
+    """The kind of each token of ``ids`` (``continuation_ids`` of ``suffix``): the riskiest kind
+    among the characters it covers (provisional over value over bridge)."""
+    rank = {BRIDGE: 0, VALUE: 1, PROVISIONAL: 2}
+    # character offsets from a short tail of the committed tokens: decoding the whole response
+    # per token would cost more than the tags are worth (a tag only steers the estimates)
+    tail = committed[-4:]
+    start = len(tokenizer.decode(tail, skip_special_tokens=True))
+    out, done = [], 0
+    for j in range(len(ids)):
+        end = len(tokenizer.decode(tail + ids[: j + 1], skip_special_tokens=True)) - start
+        span = kinds[max(done, 0):max(end, done + 1)] or kinds[-1:] or [BRIDGE]
+        out.append(max(span, key=rank.__getitem__))
+        done = end
+    return out
 
 
 def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str) -> list[int]:

@@ -47,6 +47,19 @@ def request_seed(seed: int, request_id: str, sample: int) -> int:
 DIAGNOSTICS = ("nodes", "init_nodes", "times", "kv_rows", "pruned")  # pooled into metrics.json, not per output
 
 
+def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferConfig, tokenizer) -> dict:
+    """One timed decode: prompt rendering through stop."""
+    constraint_options = options(r, request_seed(cfg.decode.seed, r.id, k))
+    t0 = time.perf_counter()
+    ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
+    d = decoder.decode(r, ids, constraint_options)
+    seconds = time.perf_counter() - t0
+    return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
+            "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop, "nodes": d.nodes,
+            "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows, "forced": d.forced,
+            "pruned": d.pruned, "valid": valid_response(d.text, r.functions)}
+
+
 def run(cfg: InferConfig) -> dict:
     decoders.check(cfg.methods, cfg.decode.temperature)
     torch.manual_seed(cfg.seed)
@@ -79,8 +92,7 @@ def run(cfg: InferConfig) -> dict:
     if not kept:
         raise ValueError(f"no decodable request in {cfg.requests} ({len(skipped)} skipped)")
 
-    # ---- decode, method by method, the same requests
-    outputs: dict[str, list[dict]] = {}
+    # ---- decode the same requests with every method
     ctx = DecoderContext(target, tokenizer, eos, cfg.decode,
                          cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name))
     methods = decoders.build(cfg.methods, ctx)
@@ -91,33 +103,45 @@ def run(cfg: InferConfig) -> dict:
     enforce = d_cfg.constrain == "schema"
     constraints = (lambda r: grammars.constraint(r.functions, enforce)) if grammars else (lambda r: None)
     out = Path(cfg.out)
-    for method, decoder in methods.items():
+    options = lambda r, seed: DecodeOptions(Sampler(d_cfg.temperature, d_cfg.top_p, seed), constraints(r))  # noqa: E731
+    for method, decoder in methods.items():  # untimed; AR's warm-up outputs are Parallel Fill's skeletons
         for r in kept[: cfg.warmup]:
-            decoder.decode(r, prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs),
-                           DecodeOptions(Sampler(d_cfg.temperature, d_cfg.top_p, d_cfg.seed), constraints(r)))
-        decoders.reset(decoder)  # what a method learns across requests, it learns from this pass only
-        rows = []
-        for r, k in tqdm([(r, k) for r in kept for k in range(cfg.samples)], desc=method, unit="req",
-                         dynamic_ncols=True):
-            sampler = Sampler(d_cfg.temperature, d_cfg.top_p, request_seed(d_cfg.seed, r.id, k))
-            constraint = constraints(r)
-            t0 = time.perf_counter()
-            ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
-            d = decoder.decode(r, ids, DecodeOptions(sampler, constraint))
-            seconds = time.perf_counter() - t0
-            rows.append({"id": r.id, "sample": k, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
-                         "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop,
-                         "nodes": d.nodes, "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows,
-                         "forced": d.forced, "pruned": d.pruned, "valid": valid_response(d.text, r.functions)})
-        outputs[method] = rows
-        if method == "ar":  # the skeletons Parallel Fill fills
-            ctx.skeletons.update((row["id"], row) for row in rows)
+            row = _decode(decoder, r, 0, -1, options, cfg, tokenizer)
+            if method == "ar":
+                ctx.skeletons[r.id] = row
+    outputs: dict[str, list[dict]] = {m: [] for m in methods}
+    # interleaved, each request decoded by every method before the next (their order rotating),
+    # so a host that slows down or speeds up mid-launch shifts every method alike
+    items = [(p, r, k) for p in range(cfg.repeats) for r in kept for k in range(cfg.samples)]
+    blocks = [[(p, r, k, m) for m in methods] for p, r, k in items] if cfg.interleave else \
+        [[(p, r, k, m)] for m in methods for p, r, k in items]
+    bar = tqdm(total=len(items) * len(methods), desc="decode", unit="req", dynamic_ncols=True)
+    for b, block in enumerate(blocks):
+        shift = b % len(block)
+        order = block[shift:] + block[:shift]
+        # Parallel Fill fills AR's response of the same request: it goes after AR
+        order = [x for x in order if x[3] not in decoders.SKELETON_METHODS] + \
+            [x for x in order if x[3] in decoders.SKELETON_METHODS]
+        for p, r, k, method in order:
+            decoder = methods[method]
+            if r is kept[0] and k == 0:  # what a method learns across requests, it learns from this pass only
+                decoders.reset(decoder)
+            row = _decode(decoder, r, k, p, options, cfg, tokenizer)
+            outputs[method].append(row)
+            if method == "ar":  # the skeletons Parallel Fill fills
+                ctx.skeletons[r.id] = row
+            bar.update()
+    bar.close()
 
     # ---- metrics, pooled over requests
     # AR agreement is the lossless check at temperature 0; samples agree only in distribution
     greedy = cfg.decode.temperature == 0
     reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs and greedy else None
     metrics = {m: pooled(rows, reference) for m, rows in outputs.items()}
+    for m, decoder in methods.items():
+        budget = getattr(decoder, "budget", None)
+        if budget is not None and getattr(budget, "stats", None) is not None:
+            metrics[m]["selection"] = budget.report()
     for m, rows in outputs.items():
         atomic.write_jsonl(out / "outputs" / f"{m}.jsonl",
                            [{k: v for k, v in r.items() if k not in DIAGNOSTICS} for r in rows])

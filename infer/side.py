@@ -302,6 +302,30 @@ class SideBranches:
                 _queue([self.contexts.step(b)], b, extra, owners)
         return extra, owners
 
+    def steps(self, owners: list[Branch | Trunk]) -> list[bool]:
+        """Which of this round's segments are steps (a branch's pending token and draft), the
+        ones a cost-aware round may trim; the rest compute new contexts."""
+        return [isinstance(o, Branch) and bool(o.reserved) for o in owners]
+
+    def trim(self, extra: list[Segment], owners: list[Branch | Trunk], rows: list[int]
+             ) -> tuple[list[Segment], list[Branch | Trunk]]:
+        """Keep the first ``rows[i]`` rows of step segment i (0 drops the step this round: its
+        rows go back to the pool and its head entry is redone next round)."""
+        kept_extra, kept_owners = [], []
+        for seg, owner, n in zip(extra, owners, rows):
+            if n < len(seg.tokens):
+                b = owner
+                self.contexts.pool.give(b.reserved[n:])
+                b.reserved = b.reserved[:n]
+                b.draft = None
+                if not n:
+                    b.head_done = len(b.tokens)
+                    continue
+                seg = Segment(seg.tokens[:n], seg.positions[:n], seg.slots[:n], seg.visible[:n])
+            kept_extra.append(seg)
+            kept_owners.append(owner)
+        return kept_extra, kept_owners
+
     def settle(self, owners: list[Branch | Trunk], verified: Verified) -> None:
         for owner, choices, aux in zip(owners, verified.extra_choices, verified.extra_aux):
             self.contexts.settle(owner, choices, aux)

@@ -94,8 +94,15 @@ def merge(trees: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int
     Used to verify several proposals (a drafter's tree, a packed chain) in one forward
     without sibling duplicates, which would waste nodes and confuse acceptance.
     """
+    tokens, parents, _ = merge_indexed(trees)
+    return tokens, parents
+
+
+def merge_indexed(trees: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """``merge``, plus for each input tree the output node each of its nodes became."""
     out_tokens: list[int] = []
     out_parents: list[int] = []
+    maps: list[list[int]] = []
     index: dict[tuple[int, int], int] = {}  # (parent in output, token) -> output node
     for tokens, parents in trees:
         check_parents(parents)
@@ -108,7 +115,8 @@ def merge(trees: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int
                 out_tokens.append(tok)
                 out_parents.append(parent)
             mapped.append(index[key])
-    return out_tokens, out_parents
+        maps.append(mapped)
+    return out_tokens, out_parents, maps
 
 
 def prune(parents: list[int], keep: list[bool]) -> tuple[list[int], list[int]]:

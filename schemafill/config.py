@@ -104,6 +104,7 @@ class ToolSpecConfig:
     candidates: list[int] = field(default_factory=lambda: [32, 16, 8, 8])  # retrieved chains and their lengths
 
 
+SELECT_MODES = ("cost", "fixed")
 CONSTRAIN_MODES = ("none", "schema", "prune")
 ABLATIONS = ("A", "B", "C", "D")  # SchemaFill's stages (paper Table 2)
 
@@ -127,6 +128,11 @@ class DecodeConfig:
     copy_len: int = 4  # SchemaFill's MAIN chains copied from the prompt and the response (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
+    # cost: each round verifies the candidates worth their measured cost on this hardware
+    # (infer/node_budget.py); fixed: every candidate the budget above drafts (the paper's)
+    select: str = "cost"
+    cost_context: int = 512  # committed positions the start-up cost measurement attends to
+    cost_cache: str = ""  # folder of measured cost curves ("" = $XDG_CACHE_HOME/schemafill/cost)
     # the training-free peers' own settings
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
@@ -137,6 +143,8 @@ class DecodeConfig:
             raise ValueError(f"decode.constrain must be one of {CONSTRAIN_MODES}, got {self.constrain!r}")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
+        if self.select not in SELECT_MODES:
+            raise ValueError(f"decode.select must be one of {SELECT_MODES}, got {self.select!r}")
 
 
 @dataclass
@@ -277,6 +285,8 @@ class InferConfig:
     sample: str = "spread"  # which N: spread (evenly over the file, so every category shows) | first
     warmup: int = 1  # requests decoded (untimed) per method before timing
     samples: int = 1  # decodes per request, each with its own seed (for temperature > 0)
+    repeats: int = 1  # timed passes over the requests (each starts the learning methods afresh), pooled
+    interleave: bool = True  # every method decodes a request before the next one (rotating order)
     device: str = "auto"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -288,6 +298,8 @@ class InferConfig:
         # the method names are the registry's (infer/decoders), checked there before any model loads
         if self.samples > 1 and self.decode.temperature == 0:
             raise ValueError("samples > 1 repeats identical greedy decodes: set decode.temperature > 0")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
         if self.sample not in ("spread", "first"):
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
 

@@ -105,9 +105,24 @@ def test_eagle_defaults_preset_is_the_wide_methods_budget():
 
     d = to_dataclass(compose(["decode=eagle_defaults", "logger=none"])).decode
     assert TreeBudget.of(d) == EAGLE_DEFAULTS
-    paper = to_dataclass(compose(["logger=none"])).decode
+    paper = to_dataclass(compose(["decode=paper", "logger=none"])).decode
     assert {k: v for k, v in vars(d).items() if k not in ("topk", "depth", "total_tokens")} == \
         {k: v for k, v in vars(paper).items() if k not in ("topk", "depth", "total_tokens")}
+
+
+def test_cost_aware_selection_is_the_default_and_the_paper_keeps_its_fixed_budget():
+    from infer.head_drafter import SCHEMAFILL_BUDGET, TreeBudget
+
+    default = to_dataclass(compose(["logger=none"])).decode
+    paper = to_dataclass(compose(["decode=paper", "logger=none"])).decode
+    assert default.select == "cost" and paper.select == "fixed"
+    assert TreeBudget.of(paper) == SCHEMAFILL_BUDGET
+    # the default's head tree is a deeper candidate pool, the rest is the paper's
+    assert TreeBudget.of(default).depth > paper.depth
+    assert {k: v for k, v in vars(default).items() if k not in ("select", "depth", "total_tokens")} == \
+        {k: v for k, v in vars(paper).items() if k not in ("select", "depth", "total_tokens")}
+    with pytest.raises(Exception, match="decode.select must be one of"):
+        to_dataclass(compose(["decode.select=cheap", "logger=none"]))
 
 
 def test_bad_decode_values_are_named():

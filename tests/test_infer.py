@@ -45,7 +45,8 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     requests.write_text("\n".join(lines[:2] + ["{not json"] + lines[2:]) + "\n")
     lengths = [len(prompt_ids(ToolRequest.from_dict(json.loads(x)), "plain", smol_tokenizer)) for x in lines]
     cfg = infer_cfg(tmp_path, tiny_target, tiny_head, requests, "methods=[ar,eagle3,eagle3_wide,schemafill,toolspec,parallel_fill]",
-                    f"model.max_context={max(lengths) - 1 + 24}")  # the longest prompt no longer fits
+                    f"model.max_context={max(lengths) - 1 + 24}",  # the longest prompt no longer fits
+                    "decode=paper")  # the fixed budgets, whose node counts are asserted below
     result = run(cfg)
     out = tmp_path / "out"
     metrics = json.loads((out / "metrics.json").read_text())
@@ -62,8 +63,8 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert metrics["ar"]["accept_length"] == 1.0 and metrics["ar"]["nodes_per_verify"] == 0
     assert metrics["eagle3"]["nodes_per_verify"] <= 8 < metrics["eagle3_wide"]["nodes_per_verify"] <= 60
     rows = [json.loads(x) for x in (out / "outputs" / "eagle3.jsonl").read_text().splitlines()]
-    assert set(rows[0]) == {"id", "sample", "text", "prompt_ids", "output_ids", "target_calls", "seconds", "stop",
-                            "forced", "valid"}
+    assert set(rows[0]) == {"id", "sample", "repeat", "text", "prompt_ids", "output_ids", "target_calls", "seconds",
+                            "stop", "forced", "valid"}
     assert set(metrics["schemafill"]["time_breakdown"]) == {"forecast", "drafting", "verification", "other",
                                                             "initialisation"}
     for row in result["rows"]["ar"]:  # AR's KV holds the prompt and every response token but the last
@@ -114,3 +115,27 @@ def test_sampling_cli_is_seeded_and_draws_samples(tmp_path, tiny_target, tiny_he
     assert len(ar) == 6 and len({tuple(ids) for _, _, ids in ar}) > 2  # distinct draws per request
     with pytest.raises(Exception, match="temperature > 0"):
         infer_cfg(tmp_path, tiny_target, tiny_head, requests, "samples=2")
+
+
+def test_cost_aware_launch_is_lossless_interleaved_and_reports_its_cost_curve(tmp_path, tiny_target, tiny_head,
+                                                                              builtin_artifacts):
+    from infer.run import run
+
+    lines = (builtin_artifacts / "requests" / "bfcl450.jsonl").read_text().splitlines()[:3]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    cfg = infer_cfg(tmp_path, tiny_target, tiny_head, requests, "methods=[ar,eagle3,ngram,suffix,schemafill]",
+                    "repeats=2", f"decode.cost_cache={tmp_path / 'cost'}")
+    assert cfg.decode.select == "cost" and cfg.interleave
+    result = run(cfg)
+    metrics = result["metrics"]
+    for m in ("eagle3", "ngram", "suffix", "schemafill"):
+        assert metrics[m]["ar_agreement"] == 1.0 and metrics[m]["tokens"] == metrics["ar"]["tokens"]
+        sel = metrics[m]["selection"]
+        assert sel["select"] == "cost" and sel["cost_model"]["sizes"][0] == 1
+        assert list(sel["cost_model"]["ms"]) == sorted(sel["cost_model"]["ms"])  # monotone by construction
+        assert sel["cost_model"]["key"] == metrics["schemafill"]["selection"]["cost_model"]["key"]
+        assert sum(s["reached"] for s in sel["sources"].values()) > 0  # the estimates learnt from the launch
+    assert metrics["ar"]["requests"] == 6  # two passes over three requests, pooled
+    assert sorted(r["repeat"] for r in result["rows"]["schemafill"]) == [0, 0, 0, 1, 1, 1]
+    assert len(list((tmp_path / "cost").glob("*.json"))) == 1  # measured once, shared by every method

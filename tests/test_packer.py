@@ -91,3 +91,26 @@ def test_bm25_ranking_groups_and_slots():
         ("get_weather", ("city",), ("city", "unit")), ("send_email", ("to",), ("to",)), ("noop", (), ())]
     assert call_plan({"name": "f", "parameters": {"properties": {"a": {}, "b": {}}}}).keys == ("a", "b")  # none required
     assert rank_tools(_req(tools[:1], "anything")) == [0]
+
+
+def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
+    from infer.candidates import Candidates
+    from infer.packer import BRIDGE, PROVISIONAL, VALUE, continuation_ids, propose_tagged, token_kinds
+
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa'
+    suffix, kinds = propose_tagged(text, parse_prefix(text), [WEATHER], provisional={(0, "days"): "3"})
+    assert suffix == 'ris", "unit": "C"}}]}' and len(kinds) == len(suffix)
+    assert "".join("v" if k == VALUE else "b" for k in kinds) == "vvvvbbbbbbbbbbvvvbbbb"
+    _, kinds = propose_tagged('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da',
+                              parse_prefix('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da'),
+                              [WEATHER], provisional={(0, "days"): "3"})
+    assert kinds[-1] == PROVISIONAL and set(kinds[:-1]) == {BRIDGE}
+    # tokens: the riskiest kind among the characters each covers
+    committed = smol_tokenizer(text, add_special_tokens=False).input_ids
+    ids = continuation_ids(smol_tokenizer, committed, text, suffix)
+    tags = token_kinds(smol_tokenizer, committed, text, suffix, propose_tagged(text, parse_prefix(text), [WEATHER])[1], ids)
+    pieces = [smol_tokenizer.decode([t]) for t in ids]
+    assert len(tags) == len(ids) and tags[0] == VALUE and tags[-1] == BRIDGE
+    assert [t for t, piece in zip(tags, pieces) if "C" in piece] == [VALUE]
+    chain = Candidates.tagged_chain(ids, tags)
+    assert chain.sources[0] == "value:1" and chain.sources[-1].startswith("bridge:")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from infer.constraint import SchemaGrammars
+from infer.cost_model import CostModel
 from infer.decoders.ar import decode_ar
 from infer.decoders.ngram import Ngram
 from infer.decoders.suffix import SuffixDecoding
@@ -16,6 +17,7 @@ from infer.decoders.toolspec import SchemaFSM, ToolSpec, retrieval_candidates
 from infer.decoders.toolspec_lite import ToolSpecLite
 from infer.decoding import DecodeOptions
 from infer.lookup import copy_after_suffix, first_matches, ngram_lookup
+from infer.node_budget import NodeBudget
 from infer.retrieval import RetrievalStore
 from infer.suffix_tree import SuffixTree
 from infer.token_recycling import RecyclingTable, template_tree
@@ -96,9 +98,10 @@ def test_suffix_drafter_reads_earlier_responses_and_keeps_prompts_out_of_them():
     responses = SuffixTree(8)
     responses.extend("earlier", [4, 5, 6, 7])
     d = RequestDrafter(cfg, responses, "now", prompt_len=3)
-    assert d.draft([1, 4, 5], None) == ([6, 7], [ROOT, 0])  # only the earlier response knows "4 5"
+    c = d.candidates([1, 4, 5], None)
+    assert (c.tokens, c.parents, c.sources) == ([6, 7], [ROOT, 0], ["suffix:1", "suffix:2"])  # only the earlier response knows "4 5"
     assert responses.sequences["now"] == []  # prompt tokens stay out of the response tree
-    d.draft([1, 4, 5, 8], None)
+    d.candidates([1, 4, 5, 8], None)
     assert responses.sequences["now"] == [8]
 
 
@@ -166,7 +169,14 @@ def peers(target, tok, eos, max_new):
             "suffix_path": SuffixDecoding(target, tok, eos, max_new, SuffixConfig(tree=False, min_token_prob=0.0,
                                                                                   max_cached_requests=2)),
             "toolspec": ToolSpec(target, tok, eos, max_new, ToolSpecConfig()),
-            "toolspec_lite": ToolSpecLite(target, tok, eos, max_new)}
+            "toolspec_lite": ToolSpecLite(target, tok, eos, max_new),
+            # cost-aware selection (decode.select=cost) on a curve steep enough that it prunes
+            "ngram_cost": Ngram(target, tok, eos, max_new, NgramConfig(), NodeBudget(STEEP)),
+            "suffix_cost": SuffixDecoding(target, tok, eos, max_new, SuffixConfig(), NodeBudget(STEEP)),
+            "toolspec_cost": ToolSpec(target, tok, eos, max_new, ToolSpecConfig(), NodeBudget(STEEP))}
+
+
+STEEP = CostModel((1, 64), (10.0, 10.0 + 63 * 4.0))  # each row costs 40 % of a one-row step
 
 
 def test_peers_lossless_on_a_random_model(tiny_target):
@@ -188,6 +198,8 @@ def test_peers_lossless_on_a_random_model(tiny_target):
             out = decoder.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions)))
             assert out.ids == constrained.ids, (name, method, "constrained")
     assert methods["toolspec"].table.next.any()  # the table learnt from verified nodes
+    pruned = methods["toolspec_cost"].budget.stats.table()
+    assert sum(v["reached"] for v in pruned.values()) > 0  # it observed what it verified
     assert len(methods["suffix"].responses) == len(names)  # one response per request: the latest decode
     assert list(methods["suffix_path"].responses.sequences) == list(names[-2:])  # the oldest evicted
     assert len(methods["toolspec"].store.ids) == len(names)

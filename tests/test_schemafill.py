@@ -66,7 +66,7 @@ def oracle_values(text: str) -> dict[tuple[int, str], str]:
     return {(j, k): dumps(v) for j, c in enumerate(calls) for k, v in c.arguments.items()}
 
 
-def check(target, tok, eos, names, ablations, max_new=40, oracle=False, **limits):
+def check(target, tok, eos, names, ablations, max_new=40, oracle=False, budget=None, **limits):
     head = random_head(target)
     for name in names:
         req = request(name)
@@ -79,11 +79,11 @@ def check(target, tok, eos, names, ablations, max_new=40, oracle=False, **limits
             groups = [catalog.index(c.name) for c in calls if c.name in catalog] or groups
         for ab in ablations:
             sf = SchemaFill(target, tok, head, eos, max_new, SchemaFillConfig(budget=SCHEMAFILL_BUDGET, ablation=ab,
-                                                                                   **limits))
+                                                                                   **limits), budget)
             out = sf.decode(req, ids, groups=groups, values=oracle_values(ar.text) if oracle else None)
             assert out.ids == ar.ids, (name, ab, ar.text, out.text)
             assert out.stop == ar.stop
-            if ab == "A":  # EAGLE-3 inside SchemaFill's loop is EAGLE-3 (the eval reuses eagle3's row)
+            if ab == "A" and budget is None:  # EAGLE-3 inside SchemaFill's loop is EAGLE-3 (the eval reuses eagle3's row)
                 tree = decode_tree(target, tok, ids, max_new, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
                                    scratch=SCHEMAFILL_BUDGET.total)
                 assert (tree.target_calls, tree.nodes) == (out.target_calls, out.nodes)
@@ -107,6 +107,26 @@ def test_random_model_every_ablation_equals_ar(tiny_target):
     # branches retired after a few tokens: the SIDE pool reuses freed rows out of order
     for _ in check(target, tok, eos, ["repeated"], "CD", max_new=24, max_value_tokens=2, max_branches=3):
         pass
+
+
+def test_cost_aware_rounds_equal_ar_whatever_they_keep(tiny_target, base_target):
+    """Selection changes only the proposal: on a steep curve it drops MAIN nodes and SIDE steps
+    (and their head drafts), on a flat one it keeps them; AR's tokens either way."""
+    from infer.cost_model import CostModel
+    from infer.node_budget import NodeBudget
+
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    steep, flat = CostModel((1, 64), (10.0, 262.0)), CostModel((1, 64), (10.0, 10.5))
+    for curve in (steep, flat):
+        for _ in check(target, tok, eos, ["bm25", "repeated"], "BD", max_new=24, budget=NodeBudget(curve)):
+            pass
+    target, tok, eos = base_target
+    budget = NodeBudget(steep)
+    for name, ar, out in check(target, tok, eos, ["wrong_order"], "D", max_new=48, oracle=True, budget=budget):
+        assert out.target_calls < ar.target_calls / 2  # measured: 9 calls for AR's 48 tokens
+    assert budget.stats.table()  # it learnt from what it verified
 
 
 def test_builtin_model_with_prepared_values_is_lossless_and_fewer_calls(base_target):

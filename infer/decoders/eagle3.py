@@ -3,14 +3,17 @@ and keeps the longest greedy path plus its own next token."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from infer.candidates import Candidates
 from infer.constraint import Constraint
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget
+from infer.node_budget import NodeBudget
 from infer.sampling import Sampler
 from infer.session import MainSession
 from schemafill.runtime import Target
@@ -19,21 +22,34 @@ from schemafill.toolcall import ToolRequest
 
 
 class Drafter(Protocol):
+    """``candidates`` tags each node with its source for cost-aware selection; a drafter with
+    only ``draft(tokens, new_aux) -> (tokens, parents)`` is read as one source by depth."""
+
     def start(self, capacity: int) -> None: ...
 
-    def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]: ...
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor) -> Candidates: ...
+
+
+def propose(drafter: Drafter, tokens: list[int], new_aux: torch.Tensor) -> Candidates:
+    if hasattr(drafter, "candidates"):
+        return drafter.candidates(tokens, new_aux)
+    return Candidates.tree(*drafter.draft(tokens, new_aux), "draft")
 
 
 def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
                 drafter: Drafter, scratch: int = 64, sampler: Sampler | None = None,
-                constraint: Constraint | None = None) -> Decoded:
+                constraint: Constraint | None = None, budget: NodeBudget | None = None) -> Decoded:
+    """Draft, keep what ``budget`` finds worth its cost (everything without one), verify."""
+    budget = budget or NodeBudget()
     s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens), scratch=scratch, sampler=sampler,
                     constraint=constraint)
     drafter.start(s.layout.positions)
     s.prefill()
     while not s.done:
-        tokens, parents = drafter.draft(s.tokens, s.new_aux)
-        s.verify(tokens, parents)
+        t = time.perf_counter()
+        cand = budget.choose(propose(drafter, s.tokens, s.new_aux), fixed_rows=len(s.tokens) - s.n_kv)
+        budget.host(1e3 * (time.perf_counter() - t))
+        budget.observe(cand, s.verify(cand.tokens, cand.parents).accepted)
     return s.decoded()
 
 
@@ -46,14 +62,16 @@ class Eagle3:
     eos: frozenset[int]
     max_new_tokens: int
     drafter: HeadDrafter
+    budget: NodeBudget
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         return decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, self.drafter,
-                           scratch=self.drafter.budget.total, sampler=options.sampler, constraint=options.constraint)
+                           scratch=self.drafter.budget.total, sampler=options.sampler, constraint=options.constraint,
+                           budget=self.budget)
 
 
 def build(ctx: DecoderContext, method: str) -> Eagle3:
     """``eagle3`` at the decode budget; ``eagle3_wide`` at EAGLE's published defaults."""
     d = ctx.decode
     budget = TreeBudget.of(d) if method == "eagle3" else EAGLE_DEFAULTS
-    return Eagle3(ctx.target, ctx.tokenizer, ctx.eos, d.max_new_tokens, HeadDrafter(ctx.head, budget))
+    return Eagle3(ctx.target, ctx.tokenizer, ctx.eos, d.max_new_tokens, HeadDrafter(ctx.head, budget), ctx.budget())

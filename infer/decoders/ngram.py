@@ -6,15 +6,16 @@ on committed tokens; ``infer/sampling.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from infer.candidates import Candidates
 from infer.decoders.eagle3 import decode_tree
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.lookup import ngram_lookup
-from infer.tree import chain
+from infer.node_budget import NodeBudget
 from schemafill.config import NgramConfig
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
@@ -27,9 +28,10 @@ class NgramDrafter:
     def start(self, capacity: int) -> None:
         pass
 
-    def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor) -> Candidates:
         c = self.cfg
-        return chain(ngram_lookup(tokens, c.prompt_lookup_min, c.prompt_lookup_max, c.num_speculative_tokens))
+        return Candidates.chain(ngram_lookup(tokens, c.prompt_lookup_min, c.prompt_lookup_max,
+                                             c.num_speculative_tokens), "ngram")
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,13 @@ class Ngram:
     eos: frozenset[int]
     max_new_tokens: int
     cfg: NgramConfig
+    budget: NodeBudget = field(default_factory=NodeBudget)
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         return decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, NgramDrafter(self.cfg),
                            scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
-                           constraint=options.constraint)
+                           constraint=options.constraint, budget=self.budget)
 
 
 def build(ctx: DecoderContext, method: str) -> Ngram:
-    return Ngram(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.ngram)
+    return Ngram(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.ngram, ctx.budget())

@@ -53,24 +53,32 @@ packer ``infer/packer.py``, verification ``infer/session.py``; this module runs 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from infer.align import current_call, rebind
+from infer.candidates import Candidates
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.forecast import call_plan, forecast_groups, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
-from infer.packer import CallPlan, continuation_ids, propose
+from infer.packer import BRIDGE, CallPlan, continuation_ids, propose_tagged, token_kinds
 from infer.phases import Phases
 from infer.lookup import copy_after_suffix
-from infer.session import MainSession
+from infer.node_budget import NodeBudget
+from infer.acceptance import PRIOR_STRENGTH
+from infer.selection import select
+from infer.session import MainSession, Segment, Verified
 from infer.side import SideBranches, SideContexts
-from infer.tree import chain, merge
+from infer.tree import ROOT, chain, merge
 from schemafill.config import ABLATIONS
 from schemafill.response_format import HEADER, call_header, field_prefix
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
+
+SIDE_DRAFT = "side_draft:1"  # the head's draft after a SIDE branch's pending token
+SIDE_CHAIN = "side_"  # packed-chain sources from a SIDE value on (infer/acceptance.py)
 
 
 @dataclass(frozen=True)
@@ -119,17 +127,20 @@ def build(ctx: DecoderContext, method: str) -> "SchemaFill":
                       SchemaFillConfig(budget=TreeBudget.of(d),
                                        forecast_budget=d.forecast_budget, ablation=ablation, side_depth=d.side_depth,
                                        pack_provisional=d.pack_provisional, side_optional=d.side_optional,
-                                       copy_len=d.copy_len))
+                                       copy_len=d.copy_len),
+                      ctx.budget())
 
 
 class SchemaFill:
     """One decoder instance per (target, head, tokenizer); ``decode`` per request."""
 
     def __init__(self, target: Target, tokenizer: Any, head: Any, eos: frozenset[int], max_new_tokens: int,
-                 cfg: SchemaFillConfig) -> None:
+                 cfg: SchemaFillConfig, budget: NodeBudget | None = None) -> None:
         self.target, self.tokenizer, self.eos, self.cfg = target, tokenizer, eos, cfg
         self.max_new_tokens = max_new_tokens
         self.drafter = HeadDrafter(head, cfg.budget)
+        self.budget = budget or NodeBudget()
+        self.side_rows = self.side_credit = 0  # the launch's SIDE rows, and value tokens MAIN took from them
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions(),
                groups: list[int] | None = None, values: dict[tuple[int, str], str] | None = None) -> Decoded:
@@ -163,6 +174,7 @@ class SchemaFill:
         init_nodes = len(tree[0]) + sum(len(seg.tokens) for seg in extra)
         side.settle(owners, v)
 
+        round_start = time.perf_counter()
         while not s.done:
             # ---- align the plans and branches with what MAIN realized
             with phases("other"):
@@ -173,9 +185,6 @@ class SchemaFill:
                 realized = {(current, k) for k, _, _ in state.spans}
                 side.retire_stale(plans, current, realized)
                 side.activate(plans, current, realized)
-            # ---- MAIN proposal: head tree, prompt-lookup copies, packed chain
-            with phases("drafting"):
-                tokens, parents = self._main_tree(s, prompt, plans, side, text, state)
             # ---- SIDE nodes: each branch's pending token and the head's draft after it
             with phases("other"):
                 stepping = side.reserve_steps()
@@ -183,12 +192,60 @@ class SchemaFill:
                 side.draft(stepping, self.drafter, s.prompt_aux)
             with phases("other"):
                 extra, owners = side.segments()
+            # ---- MAIN proposal (head tree, prompt-lookup copies, packed chain), keeping the
+            # nodes worth their cost next to the rows this call carries anyway
+            with phases("drafting"):
+                cand = self._main_tree(s, prompt, plans, side, text, state)
+                cand, extra, owners = self._choose(cand, extra, owners, side, pending=len(s.tokens) - s.n_kv)
+            self.budget.host(1e3 * (time.perf_counter() - round_start))
             with phases("verification"):
-                v = s.verify(tokens, parents, extra)
+                v = s.verify(cand.tokens, cand.parents, extra)
+            round_start = time.perf_counter()
+            self._observe(cand, v, extra, side.steps(owners))
             with phases("other"):
                 side.settle(owners, v)
                 side.collect(plans)
         return s.decoded(init_nodes=init_nodes, times=phases.times)
+
+    def _choose(self, cand: Candidates, extra: list[Segment], owners: list, side: SideBranches, pending: int
+                ) -> tuple[Candidates, list[Segment], list]:
+        """The MAIN nodes and SIDE steps worth their cost this round, chosen together: MAIN's
+        by their chance to be accepted, a SIDE row by the launch's measured return on SIDE rows
+        (tokens MAIN later accepted through packed SIDE values, per SIDE row spent), its
+        head-drafted second row by how often SIDE drafts hold. New SIDE contexts always go."""
+        steps = side.steps(owners)
+        fixed = pending + sum(len(seg.tokens) for seg, step in zip(extra, steps) if not step)
+        if not self.budget.active:
+            return self.budget.choose(cand, fixed), extra, owners
+        parents, values = list(cand.parents), self.budget.values(cand)
+        worth, draft_rate = self._side_return(), self.budget.stats.rate(SIDE_DRAFT)
+        first_rows = []
+        for seg, step in zip(extra, steps):
+            first_rows.append(len(parents) if step else None)
+            if step:
+                for r in range(len(seg.tokens)):
+                    parents.append(ROOT if r == 0 else len(parents) - 1)
+                    values.append(worth if r == 0 else worth * draft_rate)
+        kept = set(select(parents, values, self.budget.cost, fixed, self.budget.host_ms,
+                          max_nodes=len(cand) + len(parents)))
+        main = cand.subset(sorted(i for i in kept if i < len(cand)))
+        rows = [len(seg.tokens) if first is None else sum(first + r in kept for r in range(len(seg.tokens)))
+                for seg, first in zip(extra, first_rows)]
+        extra, owners = side.trim(extra, owners, rows)
+        return main, extra, owners
+
+    def _side_return(self) -> float:
+        """Tokens MAIN accepted from packed chains through SIDE values (the values and the
+        structure after them) per SIDE row spent, from a prior of 0.5."""
+        return (self.side_credit + PRIOR_STRENGTH * 0.5) / (self.side_rows + PRIOR_STRENGTH)
+
+    def _observe(self, cand: Candidates, v: Verified, extra: list[Segment], steps: list[bool]) -> None:
+        self.budget.observe(cand, v.accepted)
+        self.side_rows += sum(len(seg.tokens) for seg in extra)
+        self.side_credit += sum(cand.sources[i].startswith(SIDE_CHAIN) for i in v.accepted)
+        for seg, step, choices in zip(extra, steps, v.extra_choices):
+            if step and len(seg.tokens) == 2:  # did the target choose the head's SIDE draft?
+                self.budget.stats.observe([ROOT], [SIDE_DRAFT], [0] if choices[0] == seg.tokens[1] else [])
 
     def _forecast(self, request: ToolRequest, groups: list[int] | None,
                   values: dict[tuple[int, str], str] | None) -> list[CallPlan]:
@@ -213,19 +270,24 @@ class SchemaFill:
         return merge(candidates) if candidates else ([], [])
 
     def _main_tree(self, s: MainSession, prompt: list[int], plans: list[CallPlan], side: SideBranches,
-                   text: str, state: Any) -> tuple[list[int], list[int]]:
+                   text: str, state: Any) -> Candidates:
         """The head's draft tree, merged with prompt-lookup copies and the packer's chain."""
         cfg = self.cfg
-        tokens, parents = self.drafter.draft(s.tokens, s.new_aux)
+        parts = [self.drafter.candidates(s.tokens, s.new_aux)]
         if cfg.copy_len and cfg.forecasts:
             # values are mostly copied from the request, and a response repeats itself
-            copies = [chain(copy_after_suffix(s.tokens, source, length=cfg.copy_len)) for source in (prompt, s.response)]
-            tokens, parents = merge([(tokens, parents), *copies])
+            parts += [Candidates.chain(copy_after_suffix(s.tokens, source, length=cfg.copy_len), kind)
+                      for source, kind in ((prompt, "copy_prompt"), (s.response, "copy_response"))]
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None
             # a lone trailing space before an unknown value would not be the target's token
-            suffix = propose(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead).rstrip(" ")
+            suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead)
+            suffix = suffix.rstrip(" ")
             packed = continuation_ids(self.tokenizer, s.response, text, suffix)[: cfg.max_chain]
             if packed:
-                tokens, parents = merge([(tokens, parents), chain(packed)])
-        return tokens, parents
+                kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed)
+                # from the first value on, the chain exists only because a SIDE branch prepared it
+                first = next((i for i, k in enumerate(kinds) if k != BRIDGE), len(kinds))
+                parts.append(Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}"
+                                                              for i, k in enumerate(kinds)]))
+        return Candidates.merged(parts, self.budget.stats.rate)

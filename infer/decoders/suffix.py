@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from infer.candidates import Candidates
 from infer.decoders.eagle3 import decode_tree
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
+from infer.node_budget import NodeBudget
 from infer.suffix_tree import SuffixTree
 from schemafill.config import SuffixConfig
 from schemafill.runtime import Target
@@ -42,7 +44,7 @@ class RequestDrafter:
             self.responses.extend(self.key, tokens[max(self.seen, self.prompt_len):])
         self.seen = len(tokens)
 
-    def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor) -> Candidates:
         c = self.cfg
         self.catch_up(tokens)
         context = tokens[-c.max_tree_depth:]
@@ -52,13 +54,14 @@ class RequestDrafter:
             other = self.responses.speculate(context, *args)
             if other.score > best.score:  # the prompt's tree wins ties
                 best = other
-        return best.tokens, best.parents
+        return Candidates.tree(best.tokens, best.parents, "suffix")
 
 
 class SuffixDecoding:
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
-                 cfg: SuffixConfig) -> None:
+                 cfg: SuffixConfig, budget: NodeBudget | None = None) -> None:
         self.target, self.tokenizer, self.eos, self.max_new_tokens, self.cfg = target, tokenizer, eos, max_new_tokens, cfg
+        self.budget = budget or NodeBudget()
         self.reset()
 
     def reset(self) -> None:
@@ -73,10 +76,11 @@ class SuffixDecoding:
         drafter = RequestDrafter(self.cfg, self.responses, request.id, len(prompt))
         decoded = decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, drafter,
                               scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
-                              constraint=options.constraint)
+                              constraint=options.constraint, budget=self.budget)
         drafter.catch_up(list(prompt) + decoded.ids)  # the last verification's tokens too: later requests read them
         return decoded
 
 
 def build(ctx: DecoderContext, method: str) -> SuffixDecoding:
-    return SuffixDecoding(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.suffix)
+    return SuffixDecoding(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.suffix,
+                          ctx.budget())

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from infer.candidates import Candidates
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.lookup import first_matches
+from infer.node_budget import NodeBudget
 from infer.packer import continuation_ids
 from infer.phases import Phases
 from infer.retrieval import RetrievalStore
@@ -102,8 +104,9 @@ def retrieval_candidates(tokens: list[int], retrieved: list[int], cfg: ToolSpecC
 
 class ToolSpec:
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
-                 cfg: ToolSpecConfig) -> None:
+                 cfg: ToolSpecConfig, budget: NodeBudget | None = None) -> None:
         self.target, self.tokenizer, self.eos, self.max_new_tokens, self.cfg = target, tokenizer, eos, max_new_tokens, cfg
+        self.budget = budget or NodeBudget()
         self.template = template_tree()
         if cfg.recycling_topk <= max(self.template[1]):
             raise ValueError(f"decode.toolspec.recycling_topk={cfg.recycling_topk}: the 80-node template reads "
@@ -134,27 +137,32 @@ class ToolSpec:
                 before_root = (self.tokenizer.decode(s.response[:-1], skip_special_tokens=True)
                                if fsm.tool is None or step == 1 else "")
                 fsm.detect(before_root)
-                tree = self._tree(s, fsm, retrieved, step, before_root)
+                cand = self.budget.choose(self._tree(s, fsm, retrieved, step, before_root),
+                                          fixed_rows=len(s.tokens) - s.n_kv)
             with phases("verification"):
-                self._learn(s.verify(*tree))
+                v = s.verify(cand.tokens, cand.parents)
+            self.budget.observe(cand, v.accepted)
+            self._learn(v)
             step += 1
         self.store.add(request.id, s.prompt_final, s.response)
         return s.decoded(times=phases.times)
 
     def _tree(self, s: MainSession, fsm: SchemaFSM, retrieved: list[int], step: int,
-              before_root: str) -> tuple[list, list]:
+              before_root: str) -> Candidates:
         text, committed = s.stop.parsed_text, s.response
         if step == 1:  # the chains start before the root: the ones the root continues are kept
-            return self._along(committed, text, fsm.first_keys(before_root))
+            return Candidates.tree(*self._along(committed, text, fsm.first_keys(before_root)), "fsm")
         found = retrieval_candidates(s.tokens, retrieved, self.cfg)
         if found:
-            return merge([chain(c) for c in found])
+            return Candidates.tree(*merge([chain(c) for c in found]), "retrieval")
         tail = self.tokenizer.decode(committed[-4:], skip_special_tokens=True)
         keys = self._along(committed, text, fsm.next_keys(text, tail))
         if keys[0]:
-            return keys
+            return Candidates.tree(*keys, "fsm")
         parents, columns = self.template
-        return self.table.draft(s.tokens[-1], parents, columns), parents
+        # a template node's column (its rank among its parent's recycled successors) is its source
+        return Candidates(self.table.draft(s.tokens[-1], parents, columns), list(parents),
+                          [f"recycle:{c}" for c in columns])
 
     def _along(self, committed: list[int], text: str, targets: list[str]) -> tuple[list, list]:
         """One merged tree of the continuations of ``text`` toward each target text."""
@@ -175,4 +183,4 @@ class ToolSpec:
 
 
 def build(ctx: DecoderContext, method: str) -> ToolSpec:
-    return ToolSpec(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.toolspec)
+    return ToolSpec(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.toolspec, ctx.budget())

@@ -1,0 +1,139 @@
+"""What one verification costs on the hardware it runs on: ``c(n)``, the target's forward
+over ``n`` tree rows at a typical context, measured at start-up and cached per host.
+
+A 2-core CPU and a GPU disagree about trees. On the built-in target on 2 AVX2 cores a
+forward of n rows costs about 60 + 2.2·n ms, so 31 rows cost twice a 1-token step; on an
+H200 (bf16, 7B shape) 64 rows cost 1.08× one. A fixed node budget cannot be right on both,
+so the decoders choose their nodes against this measured curve (``infer/selection.py``).
+
+``CostModel`` is the measured curve: points ``(n, ms)``, read by linear interpolation (and
+extrapolated along the last segment), made non-decreasing so noise never makes a bigger
+tree look cheaper. ``measure`` times the target; ``load_or_measure`` keeps the result in a
+JSON file keyed by what the time depends on: the target's weights, device, dtype, the
+host's CPU capability and thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from schemafill import atomic
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    sizes: tuple[int, ...]  # rows per forward, increasing
+    ms: tuple[float, ...]  # measured milliseconds of each
+    context: int = 0  # committed positions the rows attended to
+    key: str = ""  # what it was measured on (``host_key``)
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.ms) or not self.sizes:
+            raise ValueError(f"a cost model needs one time per size, got {self.sizes} and {self.ms}")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"sizes must be increasing positive row counts, got {self.sizes}")
+        # monotone: a bigger forward never costs less than a smaller one measured before it
+        object.__setattr__(self, "ms", tuple(max(self.ms[: i + 1]) for i in range(len(self.ms))))
+
+    def __call__(self, n: int) -> float:
+        """Milliseconds of one forward over ``n`` rows (n ≥ 1)."""
+        xs, ys = self.sizes, self.ms
+        if len(xs) == 1 or n <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if n <= xs[i]:
+                a, b = xs[i - 1], xs[i]
+                return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - a) / (b - a)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (n - xs[-1])
+
+    def linear_fit(self) -> tuple[float, float]:
+        """Least squares ``c(n) ≈ a + b·n`` (ms, ms per row): the one-line summary a report prints."""
+        n, xs, ys = len(self.sizes), self.sizes, self.ms
+        if n == 1:
+            return ys[0], 0.0
+        mx, my = sum(xs) / n, sum(ys) / n
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return my - b * mx, b
+
+    def summary(self) -> dict:
+        a, b = self.linear_fit()
+        return {**asdict(self), "fit_ms": round(a, 3), "fit_ms_per_row": round(b, 4),
+                "ratio_64_to_1": round(self(64) / self(1), 3)}
+
+
+def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """What a forward's time depends on, as one string: the target's shape and a sample of its
+    weights, the device, dtype, the CPU capability ATen dispatches to, and the thread count."""
+    c = target.config
+    w = target.lm_head.weight
+    probe = w.detach().flatten()[:: max(1, w.numel() // 4096)].float().cpu().numpy().tobytes()
+    weights = hashlib.sha256(probe).hexdigest()[:12]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return (f"{c.family}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}-{weights}|{device.type}{gpu}|"
+            f"{str(dtype).removeprefix('torch.')}|{torch.backends.cpu.get_cpu_capability()}|"
+            f"threads{torch.get_num_threads()}|torch{torch.__version__}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> CostModel:
+    """Time the target on a chain of ``n`` rows after ``context`` committed positions (a tree
+    of n rows costs what a chain does: the mask differs, not the work), logits at every row as
+    a verification computes them. Median of ``repeats`` after one warm-up."""
+    dev = target.device
+    g = torch.Generator().manual_seed(0)
+    width = context + max(sizes)
+    arena = target.new_arena(1, width)
+    tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g).to(dev)
+    positions = torch.arange(width, device=dev)[None]
+    causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None]
+    target(tokens[:, :context], positions[:, :context], causal[:, :context, :context], positions[:, :context], arena,
+           logits_at=torch.tensor([[context - 1]], device=dev))
+    ms = []
+    for n in sizes:
+        sl = slice(context, context + n)
+        args = (tokens[:, sl], positions[:, sl], causal[:, sl, : context + n], positions[:, sl], arena)
+        target(*args)
+        times = []
+        for _ in range(repeats):
+            _sync(dev)
+            t = time.perf_counter()
+            target(*args)
+            _sync(dev)
+            times.append(1e3 * (time.perf_counter() - t))
+        ms.append(round(statistics.median(times), 3))
+    return CostModel(tuple(sizes), tuple(ms), context)
+
+
+def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, context: int = 512,
+                    sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> tuple[CostModel, bool]:
+    """The cached curve for this (target, device, dtype, host), measuring it on a miss.
+    Returns (model, measured_now)."""
+    key = host_key(target, target.device, target.dtype)
+    path = Path(cache_dir) / f"{hashlib.sha256(f'{key}|{context}|{sizes}'.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                return CostModel(tuple(saved["sizes"]), tuple(saved["ms"]), saved["context"], key), False
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            pass  # a damaged cache entry is measured again and overwritten
+    model = measure(target, context, sizes, repeats)
+    model = CostModel(model.sizes, model.ms, model.context, key)
+    atomic.write_json(path, model.summary())
+    return model, True

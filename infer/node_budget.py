@@ -1,0 +1,63 @@
+"""One decoder's per-round choice of nodes (issue #23): ``decode.select=cost`` keeps the
+candidates worth their measured cost (``infer/selection.py`` against ``infer/cost_model.py``,
+estimates from ``infer/acceptance.py``); ``decode.select=fixed`` verifies what the drafter
+proposed, as the paper's fixed budget does.
+
+Whatever it keeps, the target decides every committed token: selection changes only what is
+proposed, and a proposal that depends only on the committed past keeps greedy decoding's
+tokens and speculative sampling's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.acceptance import AcceptanceStats
+from infer.candidates import Candidates
+from infer.cost_model import CostModel
+from infer.selection import path_values, select
+
+HOST_EMA = 0.2  # weight of the newest round in the host-side time estimate
+
+
+@dataclass
+class NodeBudget:
+    cost: CostModel | None = None  # None: keep every candidate (the fixed budget)
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    max_nodes: int | None = None  # never more than this many candidates (the arena's scratch)
+    host_ms: float = 0.0  # running estimate of a round's host-side work (drafting, packing)
+
+    @property
+    def active(self) -> bool:
+        return self.cost is not None
+
+    def choose(self, cand: Candidates, fixed_rows: int = 1) -> Candidates:
+        """The candidates this round verifies, with ``fixed_rows`` rows in the call regardless
+        (pending tokens, other segments)."""
+        if len(cand) > (self.max_nodes or len(cand)):
+            cand = cand.subset(self._top(cand, self.max_nodes))
+        if self.cost is None or not len(cand):
+            return cand
+        values = path_values(cand.parents, self.stats.rates(cand.sources))
+        return cand.subset(select(cand.parents, values, self.cost, fixed_rows, self.host_ms, self.max_nodes))
+
+    def values(self, cand: Candidates) -> list[float]:
+        """Each node's chance to be on the accepted path, by the current estimates."""
+        return path_values(cand.parents, self.stats.rates(cand.sources))
+
+    def observe(self, cand: Candidates, accepted: list[int]) -> None:
+        """What the verification of ``cand`` accepted (indices into it)."""
+        self.stats.observe(cand.parents, cand.sources, accepted)
+
+    def host(self, ms: float) -> None:
+        """One round's host-side milliseconds (outside the target call)."""
+        self.host_ms = ms if not self.host_ms else (1 - HOST_EMA) * self.host_ms + HOST_EMA * ms
+
+    def report(self) -> dict:
+        """For metrics.json: the mode, the cost curve, host time, and each source's acceptance."""
+        return {"select": "cost" if self.active else "fixed", "cost_model": self.cost.summary() if self.cost else None,
+                "host_ms": round(self.host_ms, 3), "sources": self.stats.table()}
+
+    def _top(self, cand: Candidates, n: int) -> list[int]:
+        values = self.values(cand)
+        return select(cand.parents, values, lambda k: 1.0, max_nodes=n) if n else []

@@ -1,0 +1,134 @@
+"""Cost-aware selection (issue #23): the pure parts with literal cases, the measured cost curve
+on a real forward, and losslessness of every method with selection on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infer.acceptance import AcceptanceStats, chain_source, default_prior, head_source
+from infer.candidates import Candidates
+from infer.cost_model import CostModel, load_or_measure, measure
+from infer.node_budget import NodeBudget
+from infer.selection import expected_rate, path_values, select
+from infer.tree import ROOT
+from tests.conftest import tiny_llama
+
+
+def linear(a: float, b: float):
+    return lambda n: a + b * n
+
+
+# ---------------------------------------------------------------- selection
+def test_path_values_multiply_conditional_acceptance_down_the_tree():
+    assert path_values([ROOT, 0, 0, 1], [0.5, 0.8, 0.2, 1.0]) == pytest.approx([0.5, 0.4, 0.1, 0.4])
+    assert path_values([ROOT], [1.7]) == [1.0]  # an estimate is a probability
+
+
+def test_select_stops_where_the_next_node_costs_more_than_it_brings():
+    # chain with values 0.9, 0.5, 0.05; c(n) = 10 + 2n, one fixed row:
+    # k=0: 1/12  k=1: 1.9/14  k=2: 2.4/16 = 0.15 (best)  k=3: 2.45/18
+    assert select([ROOT, 0, 1], [0.9, 0.5, 0.05], linear(10, 2), fixed_rows=1) == [0, 1]
+    # rows nearly free (a GPU): every node with any value is worth it
+    assert select([ROOT, 0, 1], [0.9, 0.5, 0.05], linear(10, 0.001), fixed_rows=1) == [0, 1, 2]
+    # rows expensive against the round: the target's own token alone
+    assert select([ROOT, 0, 1], [0.9, 0.5, 0.05], linear(1, 10), fixed_rows=1) == []  # 1/11 > 1.9/21
+
+
+def test_select_counts_host_time_in_the_round():
+    # with 100 ms of host work per round a row's 2 ms are cheap: all three nodes pay
+    assert select([ROOT, 0, 1], [0.9, 0.5, 0.05], linear(10, 2), fixed_rows=1, host_ms=100) == [0, 1, 2]
+
+
+def test_select_is_closed_under_ancestors_and_prefers_likelier_branches():
+    parents = [ROOT, ROOT, 0, 1, 3]
+    values = [0.2, 0.7, 0.9, 0.6, 0.5]  # node 2 claims more than its parent: clamped to 0.2
+    kept = select(parents, values, linear(10, 1), fixed_rows=1, max_nodes=3)
+    assert kept == [1, 3, 4]
+    for i in select(parents, values, linear(10, 0.1), fixed_rows=1):
+        assert parents[i] == ROOT or parents[i] in select(parents, values, linear(10, 0.1), fixed_rows=1)
+
+
+def test_select_keeps_what_it_is_told_to_with_its_ancestors():
+    assert select([ROOT, 0, 1], [0.1, 0.1, 0.1], linear(1, 100), keep=(2,)) == [0, 1, 2]
+
+
+def test_expected_rate_is_what_select_maximises():
+    parents, values, cost = [ROOT, 0, ROOT], [0.8, 0.6, 0.3], linear(20, 3)
+    best = select(parents, values, cost, fixed_rows=2)
+    for other in ([], [0], [0, 1], [0, 2], [0, 1, 2]):
+        assert expected_rate(values, best, cost, 2) >= expected_rate(values, other, cost, 2) - 1e-12
+
+
+# ---------------------------------------------------------------- acceptance estimates
+def test_stats_count_a_node_only_when_its_parent_was_accepted():
+    stats = AcceptanceStats(strength=0.0)
+    parents = [ROOT, 0, 0, ROOT, 3]
+    sources = ["a:1", "a:2", "b:1", "b:1", "b:2"]
+    stats.observe(parents, sources, accepted=[0, 1])
+    # reached: 0 and 3 (children of the root), 1 and 2 (children of accepted 0); 4's parent was rejected
+    assert stats.table() == {"a:1": {"reached": 1, "accepted": 1, "rate": 1.0},
+                             "a:2": {"reached": 1, "accepted": 1, "rate": 1.0},
+                             "b:1": {"reached": 2, "accepted": 0, "rate": 0.0}}
+
+
+def test_stats_start_from_the_prior_and_move_with_evidence():
+    stats = AcceptanceStats()
+    assert stats.rate(head_source(0.93)) == pytest.approx(default_prior("head:9")) == pytest.approx(0.95)
+    assert stats.rate("pack:2") == 0.5
+    for _ in range(36):
+        stats.observe([ROOT], ["pack:1"], accepted=[0])
+    assert stats.rate("pack:1") == pytest.approx((36 + 4 * 0.5) / 40)
+    assert chain_source("copy", 9) == "copy:4"
+
+
+def test_merged_candidates_keep_the_better_rated_source_of_a_shared_node():
+    rates = {"head:2": 0.25, "pack:1": 0.9, "pack:2": 0.9, "head:9": 0.95}.get
+    head = Candidates([5, 6, 7], [ROOT, 0, 0], ["head:2", "head:9", "head:2"])
+    packed = Candidates.chain([5, 6, 8], "pack")
+    m = Candidates.merged([head, packed], rates)
+    assert (m.tokens, m.parents) == ([5, 6, 7, 8], [ROOT, 0, 0, 1])
+    assert m.sources == ["pack:1", "head:9", "head:2", "pack:3"]
+    sub = m.subset([0, 2])
+    assert (sub.tokens, sub.parents, sub.sources) == ([5, 7], [ROOT, 0], ["pack:1", "head:2"])
+
+
+def test_node_budget_without_a_cost_model_keeps_every_candidate():
+    cand = Candidates.chain([1, 2, 3, 4], "ngram")
+    assert NodeBudget().choose(cand).tokens == [1, 2, 3, 4]
+    assert NodeBudget(max_nodes=2).choose(cand).tokens == [1, 2]
+    # with a steep cost and cautious priors, a 4-node chain shrinks
+    steep = CostModel((1, 64), (10.0, 10.0 + 64 * 20))
+    assert len(NodeBudget(steep).choose(cand)) < 4
+
+
+# ---------------------------------------------------------------- cost model
+def test_cost_model_interpolates_is_monotone_and_extrapolates():
+    c = CostModel((1, 4, 16), (10.0, 16.0, 12.0))  # noise made 16 rows look cheaper than 4
+    assert c.ms == (10.0, 16.0, 16.0)
+    assert c(1) == 10.0 and c(0) == 10.0
+    assert c(2) == pytest.approx(12.0)
+    assert c(32) == pytest.approx(16.0)  # last segment flat
+    c2 = CostModel((1, 2, 4), (10.0, 12.0, 16.0))
+    assert c2(8) == pytest.approx(24.0)
+    assert c2.linear_fit() == pytest.approx((8.0, 2.0))
+    with pytest.raises(ValueError, match="increasing"):
+        CostModel((4, 1), (1.0, 2.0))
+
+
+def test_measured_cost_grows_with_rows_and_is_cached_per_host(tmp_path):
+    from schemafill.runtime import from_hf_model
+
+    target = from_hf_model(tiny_llama(vocab_size=512, num_hidden_layers=2, hidden_size=64, intermediate_size=128))
+    first, fresh = load_or_measure(target, tmp_path, context=64, sizes=(1, 8, 64), repeats=3)
+    assert fresh and first.sizes == (1, 8, 64) and all(ms > 0 for ms in first.ms)
+    assert "cpu" in first.key and "threads" in first.key
+    again, fresh = load_or_measure(target, tmp_path, context=64, sizes=(1, 8, 64), repeats=3)
+    assert not fresh and again.ms == first.ms
+    # a damaged entry is measured again, never trusted
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text("{not json")
+    _, fresh = load_or_measure(target, tmp_path, context=64, sizes=(1, 8, 64), repeats=3)
+    assert fresh and json.loads(entry.read_text())["sizes"] == [1, 8, 64]
+    assert measure(target, context=32, sizes=(1, 2), repeats=1).context == 32

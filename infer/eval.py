@@ -145,9 +145,12 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         icfg = InferConfig(requests=str(present[dataset]), methods=methods, out=str(work / dataset / f"infer_{name}"),
                            head=str(head), limit=ec.limit, sample="spread", warmup=ec.warmup, seed=cfg.seed,
                            model=cfg.model, decode=decode, logger=LoggerConfig(backend="none"), paths=cfg.paths)
-        rows = infer_run(icfg)["rows"]
-        atomic.write_json(saved, rows)
-        return rows
+        result = infer_run(icfg)
+        # how each method chose its nodes (cost curve, per-source acceptance) rides beside the rows
+        atomic.write_json(work / dataset / f"{name}.selection.json",
+                          {m: v["selection"] for m, v in result["metrics"].items() if v.get("selection")})
+        atomic.write_json(saved, result["rows"])
+        return result["rows"]
 
     sampled: dict[str, dict] = {}
     compared: dict[str, dict] = {}  # Table 7: {dataset: {"none"|"schema": metrics}}
@@ -157,6 +160,10 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         launches = [launch(dataset, f"launch_{rep}", methods_for(cfg, dataset), cfg.decode)
                     for rep in range(ec.repeats)]
         metrics[dataset] = summarize(launches)
+        selection = work / dataset / "launch_0.selection.json"
+        for m, chosen in (json.loads(selection.read_text()) if selection.is_file() else {}).items():
+            if m in metrics[dataset]:
+                metrics[dataset][m]["selection"] = chosen
         calls[dataset] = by_calls(launches[0])
         if ec.temperature > 0:  # paper App. C.5: the lossless methods, sampling
             methods = [m for m in ec.sampled_methods if m in ec.methods and m != "parallel_fill"]
@@ -213,6 +220,7 @@ def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per
     plots = []
     main = "bfcl450" if "bfcl450" in metrics else next(iter(metrics))
     m = metrics[main]
+    lines += report.cost_section(m)
     if any(k.startswith("schemafill_") for k in m):
         tables["table2_ablation"] = report.table2(m)
         lines += [f"## Table 2 — ablation on {main}", "", report.markdown(*tables["table2_ablation"]), ""]

@@ -109,6 +109,24 @@ def table5(m: dict) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
+def cost_section(methods: dict[str, dict]) -> list[str]:
+    """Markdown lines on how the launch chose its nodes: the measured verification-cost curve
+    (``decode.select=cost``) or the fixed budget, and each method's host-side ms per round."""
+    chosen = {m: v["selection"] for m, v in methods.items() if v.get("selection")}
+    if not chosen:
+        return []
+    curve = next((s["cost_model"] for s in chosen.values() if s.get("cost_model")), None)
+    if curve is None:
+        return ["Node selection: fixed budget (`decode.select=fixed`): every drafted node is verified.", ""]
+    points = ", ".join(f"c({n}) = {ms:.1f}" for n, ms in zip(curve["sizes"], curve["ms"]))
+    hosts = ", ".join(f"{m} {s['host_ms']:.1f}" for m, s in chosen.items())
+    return ["Node selection: cost-aware (`decode.select=cost`): each round verifies the candidates whose expected "
+            "accepted tokens are worth their measured cost.", "",
+            f"Verification cost measured on `{curve['key']}` at {curve['context']} positions: {points} ms; "
+            f"linear fit {curve['fit_ms']:.1f} + {curve['fit_ms_per_row']:.2f}·n ms. "
+            f"Host-side ms per round (drafting, packing, selection): {hosts}.", ""]
+
+
 def table6(sampled: dict[str, dict[str, dict]]) -> tuple[list[str], list[list]]:
     """Sampling: AL, TPS and speedup over AR at the same temperature, per dataset."""
     columns = ["Dataset", "Method", "AL", "E2E TPS", "Speedup"]

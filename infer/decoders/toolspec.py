@@ -32,6 +32,7 @@ the authors decode greedily only).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from infer.candidates import Candidates
@@ -131,6 +132,7 @@ class ToolSpec:
         retrieved = [t for out in self.store.nearest(s.prompt_final, exclude=request.id) for t in out]
         step = 1
         while not s.done:
+            t = time.perf_counter()
             with phases("drafting"):
                 # as theirs, the name is looked for before the root (the pending token, their bonus
                 # token); once found, the text is no longer decoded every step
@@ -139,6 +141,7 @@ class ToolSpec:
                 fsm.detect(before_root)
                 cand = self.budget.choose(self._tree(s, fsm, retrieved, step, before_root),
                                           fixed_rows=len(s.tokens) - s.n_kv)
+            self.budget.host(1e3 * (time.perf_counter() - t))
             with phases("verification"):
                 v = s.verify(cand.tokens, cand.parents)
             self.budget.observe(cand, v.accepted)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infer.constraint import Constraint
+from infer.cost_model import CostModel
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.ngram import Ngram
@@ -20,6 +21,7 @@ from infer.decoders.suffix import SuffixDecoding
 from infer.decoders.toolspec import ToolSpec
 from infer.decoding import DecodeOptions
 from infer.head_drafter import HeadDrafter, TreeBudget
+from infer.node_budget import NodeBudget
 from infer.sampling import Sampler
 from infer.tree import ROOT
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
@@ -131,6 +133,16 @@ def test_speculative_sampling_has_ars_distribution():
     peek = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s), 1)
     eagle = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, head, scratch=8, sampler=s), 2)
     sf = outputs(lambda s: schemafill.decode(request("bm25"), prompt, DecodeOptions(sampler=s)), 3)
+    # cost-aware selection (decode.select=cost) changes the proposal round by round, from
+    # estimates learnt on earlier samples: still AR's distribution
+    curve = CostModel((1, 64), (10.0, 73.0))  # a row costs a tenth of a one-row step: some nodes pay, some not
+    costed = NodeBudget(curve)
+    eagle_cost = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, head, scratch=8, sampler=s,
+                                               budget=costed), 9)
+    sf_cost = SchemaFill(target, tok, random_head(target, seed=2), eos, max_new,
+                         SchemaFillConfig(budget=TreeBudget(topk=3, depth=2, total=8)), NodeBudget(curve))
+    sf_costed = outputs(lambda s: sf_cost.decode(request("bm25"), prompt, DecodeOptions(sampler=s)), 10)
+    assert sum(v["reached"] for v in costed.stats.table().values()) > 0
     # the training-free peers; each sample is a new request, so the learning ones (suffix's
     # response tree, ToolSpec's table and memory) draft from every earlier sample
     count = itertools.count()
@@ -141,7 +153,8 @@ def test_speculative_sampling_has_ars_distribution():
     got_peers = {name: outputs(lambda s, d=d: d.decode(fresh(), prompt, DecodeOptions(sampler=s)), 5 + i)
                  for i, (name, d) in enumerate(peers.items())}
     assert len(peers["suffix"].responses) == N and peers["toolspec"].table.next.any()  # they learnt
-    for name, got in {"peek": peek, "eagle3": eagle, "schemafill": sf, **got_peers}.items():
+    for name, got in {"peek": peek, "eagle3": eagle, "schemafill": sf, "eagle3_cost": eagle_cost,
+                      "schemafill_cost": sf_costed, **got_peers}.items():
         assert same_distribution(ar, got) > 1e-3, name
     wrong = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s),
                     4, SharedDraw)

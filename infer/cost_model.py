@@ -135,5 +135,8 @@ def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, conte
             pass  # a damaged cache entry is measured again and overwritten
     model = measure(target, context, sizes, repeats)
     model = CostModel(model.sizes, model.ms, model.context, key)
-    atomic.write_json(path, model.summary())
+    try:
+        atomic.write_json(path, model.summary())
+    except OSError as err:  # a read-only home still decodes; it measures again next launch
+        print(f"[infer] could not cache the cost curve at {path}: {err}")
     return model, True

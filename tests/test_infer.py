@@ -139,3 +139,15 @@ def test_cost_aware_launch_is_lossless_interleaved_and_reports_its_cost_curve(tm
     assert metrics["ar"]["requests"] == 6  # two passes over three requests, pooled
     assert sorted(r["repeat"] for r in result["rows"]["schemafill"]) == [0, 0, 0, 1, 1, 1]
     assert len(list((tmp_path / "cost").glob("*.json"))) == 1  # measured once, shared by every method
+
+
+def test_help_names_the_methods_and_the_node_selection():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    helped = subprocess.run([sys.executable, "infer/run.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert helped.returncode == 0, helped.stderr[-2000:]
+    assert "suffix " in helped.stdout and "Node selection: decode=cost (default)" in helped.stdout

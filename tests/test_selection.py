@@ -132,3 +132,14 @@ def test_measured_cost_grows_with_rows_and_is_cached_per_host(tmp_path):
     _, fresh = load_or_measure(target, tmp_path, context=64, sizes=(1, 8, 64), repeats=3)
     assert fresh and json.loads(entry.read_text())["sizes"] == [1, 8, 64]
     assert measure(target, context=32, sizes=(1, 2), repeats=1).context == 32
+
+
+def test_an_unwritable_cache_still_gives_a_curve(tmp_path, capsys):
+    from schemafill.runtime import from_hf_model
+
+    target = from_hf_model(tiny_llama(vocab_size=512))
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    model, fresh = load_or_measure(target, blocked / "cost", context=16, sizes=(1, 4), repeats=1)
+    assert fresh and model.sizes == (1, 4)
+    assert "could not cache the cost curve" in capsys.readouterr().out

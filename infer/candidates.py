@@ -1,6 +1,6 @@
 """A candidate draft tree whose nodes know who proposed them (issue #23).
 
-Pure (standard library only, through ``infer/tree.py``). ``Candidates`` is a draft tree
+Pure (standard library and ``infer/tree.py``). ``Candidates`` is a draft tree
 (tokens, parents; ``infer/tree.py``'s conventions) plus one source tag per node
 (``infer/acceptance.py``). Proposals from several drafters merge into one prefix tree; a node
 two of them proposed keeps the source whose acceptance estimate is higher, so the selection
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from infer.acceptance import chain_source
-from infer.tree import ROOT, merge_indexed, prune
+from infer.tree import ROOT, depths, merge_indexed, prune
 
 
 @dataclass
@@ -34,8 +34,7 @@ class Candidates:
     @classmethod
     def chain(cls, tokens: list[int], kind: str) -> "Candidates":
         """A single path proposed by ``kind``, each node tagged with its depth in it."""
-        return cls(list(tokens), [i - 1 if i else ROOT for i in range(len(tokens))],
-                   [chain_source(kind, i + 1) for i in range(len(tokens))])
+        return cls.tagged_chain(tokens, [kind] * len(tokens))
 
     @classmethod
     def tagged_chain(cls, tokens: list[int], kinds: list[str]) -> "Candidates":
@@ -50,10 +49,7 @@ class Candidates:
     @classmethod
     def tree(cls, tokens: list[int], parents: list[int], kind: str) -> "Candidates":
         """A tree proposed by ``kind``, each node tagged with its depth."""
-        depth: list[int] = []
-        for p in parents:
-            depth.append(1 if p == ROOT else depth[p] + 1)
-        return cls(list(tokens), list(parents), [chain_source(kind, d) for d in depth])
+        return cls(list(tokens), list(parents), [chain_source(kind, d) for d in depths(parents)])
 
     @classmethod
     def merged(cls, parts: list["Candidates"], rate: Callable[[str], float]) -> "Candidates":

@@ -1,10 +1,11 @@
 """What one verification costs on the hardware it runs on: ``c(n)``, the target's forward
 over ``n`` tree rows at a typical context, measured at start-up and cached per host.
 
-A 2-core CPU and a GPU disagree about trees. On the built-in target on 2 AVX2 cores a
-forward of n rows costs about 60 + 2.2·n ms, so 31 rows cost twice a 1-token step; on an
-H200 (bf16, 7B shape) 64 rows cost 1.08× one. A fixed node budget cannot be right on both,
-so the decoders choose their nodes against this measured curve (``infer/selection.py``).
+A 2-core CPU and a GPU disagree about trees. The built-in target in fp32 on 2 cores of a
+Xeon capped to AVX2 (issue #23's session) took 54 ms for 1 row, 79 for 4, 96 for 8 and 184
+for 64; issue #23 reports 64 rows at 1.08× one on an H200 (bf16, 7B shape). A fixed node
+budget cannot be right on both, so the decoders choose their nodes against this measured
+curve (``infer/selection.py``).
 
 ``CostModel`` is the measured curve: points ``(n, ms)``, read by linear interpolation (and
 extrapolated along the last segment), made non-decreasing so noise never makes a bigger

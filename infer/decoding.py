@@ -88,6 +88,6 @@ class DecoderContext:
                   f"(c(1) {self._cost(1):.1f}, c(32) {self._cost(32):.1f}, c(64) {self._cost(64):.1f} ms)")
         return self._cost
 
-    def budget(self, max_nodes: int | None = None) -> NodeBudget:
+    def budget(self) -> NodeBudget:
         """A fresh per-decoder node budget: cost-aware under ``decode.select=cost``."""
-        return NodeBudget(self.cost, max_nodes=max_nodes)
+        return NodeBudget(self.cost)

@@ -24,7 +24,6 @@ HOST_EMA = 0.2  # weight of the newest round in the host-side time estimate
 class NodeBudget:
     cost: CostModel | None = None  # None: keep every candidate (the fixed budget)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    max_nodes: int | None = None  # never more than this many candidates (the arena's scratch)
     host_ms: float = 0.0  # running estimate of a round's host-side work (drafting, packing)
 
     @property
@@ -34,12 +33,9 @@ class NodeBudget:
     def choose(self, cand: Candidates, fixed_rows: int = 1) -> Candidates:
         """The candidates this round verifies, with ``fixed_rows`` rows in the call regardless
         (pending tokens, other segments)."""
-        if len(cand) > (self.max_nodes or len(cand)):
-            cand = cand.subset(self._top(cand, self.max_nodes))
         if self.cost is None or not len(cand):
             return cand
-        values = path_values(cand.parents, self.stats.rates(cand.sources))
-        return cand.subset(select(cand.parents, values, self.cost, fixed_rows, self.host_ms, self.max_nodes))
+        return cand.subset(select(cand.parents, self.values(cand), self.cost, fixed_rows, self.host_ms))
 
     def values(self, cand: Candidates) -> list[float]:
         """Each node's chance to be on the accepted path, by the current estimates."""
@@ -57,7 +53,3 @@ class NodeBudget:
         """For metrics.json: the mode, the cost curve, host time, and each source's acceptance."""
         return {"select": "cost" if self.active else "fixed", "cost_model": self.cost.summary() if self.cost else None,
                 "host_ms": round(self.host_ms, 3), "sources": self.stats.table()}
-
-    def _top(self, cand: Candidates, n: int) -> list[int]:
-        values = self.values(cand)
-        return select(cand.parents, values, lambda k: 1.0, max_nodes=n) if n else []

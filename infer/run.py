@@ -49,10 +49,10 @@ DIAGNOSTICS = ("nodes", "init_nodes", "times", "kv_rows", "pruned")  # pooled in
 
 def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferConfig, tokenizer) -> dict:
     """One timed decode: prompt rendering through stop."""
-    constraint_options = options(r, request_seed(cfg.decode.seed, r.id, k))
+    opts = options(r, request_seed(cfg.decode.seed, r.id, k))
     t0 = time.perf_counter()
     ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
-    d = decoder.decode(r, ids, constraint_options)
+    d = decoder.decode(r, ids, opts)
     seconds = time.perf_counter() - t0
     return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
             "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop, "nodes": d.nodes,
@@ -103,7 +103,10 @@ def run(cfg: InferConfig) -> dict:
     enforce = d_cfg.constrain == "schema"
     constraints = (lambda r: grammars.constraint(r.functions, enforce)) if grammars else (lambda r: None)
     out = Path(cfg.out)
-    options = lambda r, seed: DecodeOptions(Sampler(d_cfg.temperature, d_cfg.top_p, seed), constraints(r))  # noqa: E731
+
+    def options(r: ToolRequest, seed: int) -> DecodeOptions:
+        return DecodeOptions(Sampler(d_cfg.temperature, d_cfg.top_p, seed), constraints(r))
+
     for method, decoder in methods.items():  # untimed; AR's warm-up outputs are Parallel Fill's skeletons
         for r in kept[: cfg.warmup]:
             row = _decode(decoder, r, 0, -1, options, cfg, tokenizer)

@@ -1,6 +1,6 @@
 """Cost-aware node selection (issue #23): which candidate nodes one verification carries.
 
-Pure (standard library only). Each candidate node ``i`` has an estimated conditional
+Pure (``infer/tree.py``'s parent lists, no tensors). Each candidate node ``i`` has an estimated conditional
 acceptance ``p[i]``: the chance the target's choice after its parent is its token, given the
 parent was accepted (``infer/acceptance.py`` keeps those estimates). Greedy verification
 accepts one path, so siblings are exclusive events and the tree's expected accepted tokens
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-ROOT = -1
+from infer.tree import ROOT, depths
 
 
 def path_values(parents: list[int], p: list[float]) -> list[float]:
@@ -44,9 +44,7 @@ def select(parents: list[int], values: list[float], cost: Callable[[int], float]
     ancestors stay too), e.g. a chain the caller trusts more than its estimate.
     """
     n = len(parents)
-    depth: list[int] = []
-    for q in parents:
-        depth.append(1 if q == ROOT else depth[q] + 1)
+    depth = depths(parents)
     # a child never outranks its parent: clamp values down the tree, then order by value,
     # shallower first on ties, so every prefix of the order is closed under ancestors
     v: list[float] = []

@@ -136,6 +136,14 @@ class SideContexts:
         b.reserved = slots
         return True
 
+    def unreserve(self, b: Branch, keep: int) -> None:
+        """Give back the reserved rows past the first ``keep`` (the draft's, or all: the step
+        waits a round, and its pending token's head entry is written again then)."""
+        self.pool.give(b.reserved[keep:])
+        b.reserved, b.draft = b.reserved[:keep], None
+        if not keep:
+            b.head_done = len(b.tokens)
+
     def step(self, b: Branch) -> Segment:
         """The pending token (and the head's draft after it) as a chain of nodes."""
         context = list(range(self.p)) + self._slots(b)
@@ -314,12 +322,8 @@ class SideBranches:
         kept_extra, kept_owners = [], []
         for seg, owner, n in zip(extra, owners, rows):
             if n < len(seg.tokens):
-                b = owner
-                self.contexts.pool.give(b.reserved[n:])
-                b.reserved = b.reserved[:n]
-                b.draft = None
+                self.contexts.unreserve(owner, n)
                 if not n:
-                    b.head_done = len(b.tokens)
                     continue
                 seg = Segment(seg.tokens[:n], seg.positions[:n], seg.slots[:n], seg.visible[:n])
             kept_extra.append(seg)

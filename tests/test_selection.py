@@ -97,7 +97,6 @@ def test_merged_candidates_keep_the_better_rated_source_of_a_shared_node():
 def test_node_budget_without_a_cost_model_keeps_every_candidate():
     cand = Candidates.chain([1, 2, 3, 4], "ngram")
     assert NodeBudget().choose(cand).tokens == [1, 2, 3, 4]
-    assert NodeBudget(max_nodes=2).choose(cand).tokens == [1, 2]
     # with a steep cost and cautious priors, a 4-node chain shrinks
     steep = CostModel((1, 64), (10.0, 10.0 + 64 * 20))
     assert len(NodeBudget(steep).choose(cand)) < 4
@@ -117,7 +116,7 @@ def test_cost_model_interpolates_is_monotone_and_extrapolates():
         CostModel((4, 1), (1.0, 2.0))
 
 
-def test_measured_cost_grows_with_rows_and_is_cached_per_host(tmp_path):
+def test_cost_is_measured_on_a_real_forward_and_cached_per_host(tmp_path):
     from schemafill.runtime import from_hf_model
 
     target = from_hf_model(tiny_llama(vocab_size=512, num_hidden_layers=2, hidden_size=64, intermediate_size=128))

@@ -185,6 +185,10 @@ class SchemaFill:
                 realized = {(current, k) for k, _, _ in state.spans}
                 side.retire_stale(plans, current, realized)
                 side.activate(plans, current, realized)
+            # ---- MAIN proposal: head tree, prompt-lookup copies, packed chain (first: the head's
+            # catch-up writes the prompt's head entries that SIDE drafts read)
+            with phases("drafting"):
+                cand = self._main_tree(s, prompt, plans, side, text, state)
             # ---- SIDE nodes: each branch's pending token and the head's draft after it
             with phases("other"):
                 stepping = side.reserve_steps()
@@ -192,10 +196,8 @@ class SchemaFill:
                 side.draft(stepping, self.drafter, s.prompt_aux)
             with phases("other"):
                 extra, owners = side.segments()
-            # ---- MAIN proposal (head tree, prompt-lookup copies, packed chain), keeping the
-            # nodes worth their cost next to the rows this call carries anyway
+            # ---- keep the MAIN nodes and SIDE steps worth their cost
             with phases("drafting"):
-                cand = self._main_tree(s, prompt, plans, side, text, state)
                 cand, extra, owners = self._choose(cand, extra, owners, side, len(s.tokens) - s.n_kv, current)
             self.budget.host(1e3 * (time.perf_counter() - round_start))
             with phases("verification"):
@@ -229,8 +231,7 @@ class SchemaFill:
                 for r in range(len(seg.tokens)):
                     parents.append(ROOT if r == 0 else len(parents) - 1)
                     values.append(worth if r == 0 else worth * draft_rate)
-        kept = set(select(parents, values, self.budget.cost, fixed, self.budget.host_ms,
-                          max_nodes=len(cand) + len(parents)))
+        kept = set(select(parents, values, self.budget.cost, fixed, self.budget.host_ms))
         main = cand.subset(sorted(i for i in kept if i < len(cand)))
         rows = [len(seg.tokens) if first is None else sum(first + r in kept for r in range(len(seg.tokens)))
                 for seg, first in zip(extra, first_rows)]

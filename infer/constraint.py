@@ -67,14 +67,15 @@ def json_schema(value: Any) -> Any:
     return out
 
 
-def response_schema(functions: list[dict]) -> dict:
-    """The JSON Schema of a response that calls tools of ``functions`` (any number of calls)."""
+def response_schema(functions: list[dict], min_calls: int = 0) -> dict:
+    """The JSON Schema of a response that calls tools of ``functions``: any number of calls,
+    at least ``min_calls`` (1 for a server's ``tool_choice: required``)."""
     calls = [{"type": "object",
               "properties": {"name": {"const": fn["name"]},
                              "arguments": json_schema(fn.get("parameters") or {"type": "object", "properties": {}})},
               "required": ["name", "arguments"], "additionalProperties": False} for fn in functions]
-    return {"type": "object", "properties": {KEY: {"type": "array", "items": {"anyOf": calls}}},
-            "required": [KEY], "additionalProperties": False}
+    calls_list = {"type": "array", "items": {"anyOf": calls}, **({"minItems": min_calls} if min_calls else {})}
+    return {"type": "object", "properties": {KEY: calls_list}, "required": [KEY], "additionalProperties": False}
 
 
 def minimal_value(schema: Any) -> Any:
@@ -96,13 +97,13 @@ def minimal_value(schema: Any) -> Any:
     return {"string": "", "boolean": False, "null": None}.get(kind, 0)
 
 
-def valid_response(text: str, functions: list[dict]) -> bool:
+def valid_response(text: str, functions: list[dict], min_calls: int = 0) -> bool:
     """Whether ``text`` is a complete response that validates against the response schema of
     ``functions`` (checked by ``jsonschema``, independently of the grammar engine)."""
     import jsonschema
 
     try:
-        jsonschema.validate(json.loads(text), response_schema(functions))
+        jsonschema.validate(json.loads(text), response_schema(functions, min_calls))
     except (ValueError, jsonschema.ValidationError):  # json.JSONDecodeError is a ValueError
         return False
     return True
@@ -144,19 +145,22 @@ class SchemaGrammars:
         self.cache: dict[str, Any] = {}
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
-    def constraint(self, functions: list[dict], enforce: bool = True) -> "Constraint":
-        """The request's grammar state; ``enforce=False`` only prunes drafts (``Constraint``)."""
-        schema = json.dumps(response_schema(functions))  # keys in schema order: the grammar keeps it
+    def constraint(self, functions: list[dict], enforce: bool = True, min_calls: int = 0,
+                   close_at: int | None | str = "launch") -> "Constraint":
+        """The request's grammar state; ``enforce=False`` only prunes drafts (``Constraint``).
+        ``close_at`` overrides the launch's for a request with its own length cap."""
+        schema = json.dumps(response_schema(functions, min_calls))  # keys in schema order: the grammar keeps it
         if schema not in self.cache:
             t = time.perf_counter()
             self.cache[schema] = self.compiler.compile_json_schema(schema, any_whitespace=False,
                                                                    separators=SEPARATORS)
             self.compile_seconds.append(time.perf_counter() - t)
+        base = self.close_at if close_at == "launch" else close_at
         close_at = None
-        if self.close_at is not None and enforce:
+        if base is not None and enforce:
             calls = [dumps({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}) for fn in functions]
             longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
-            close_at = max(self.close_at - longest, 0)
+            close_at = max(base - longest, 0)
         return Constraint(self.xgr, self.cache[schema], self.pieces, self.closers, close_at, enforce)
 
 

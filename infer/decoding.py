@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from infer.constraint import Constraint
 from infer.cost_model import CostModel, load_or_measure
@@ -29,6 +29,13 @@ class DecodeOptions:
 
     sampler: Sampler | None = None  # None or temperature 0: greedy
     constraint: Constraint | None = None  # the response grammar (decode.constrain), or None
+    max_new_tokens: int | None = None  # this request's length cap (None: the launch's decode.max_new_tokens)
+    # told the committed response ids after every round (the server streams from it; an
+    # exception it raises ends the decode, as a client that went away does)
+    on_commit: Callable[[list[int]], None] | None = None
+
+    def cap(self, default: int) -> int:
+        return self.max_new_tokens if self.max_new_tokens is not None else default
 
 
 @dataclass

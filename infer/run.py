@@ -31,8 +31,8 @@ from infer.metrics import pooled
 from infer.sampling import Sampler
 from schemafill import atomic
 from schemafill.config import InferConfig, register_configs, to_dataclass, to_dict
-from schemafill.device import resolve_device, resolve_dtype
-from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
+from schemafill.device import resolve_device
+from schemafill.models import load_launch_target
 from schemafill.prompt import prompt_ids
 from schemafill.records import read_requests
 from schemafill.toolcall import ToolRequest
@@ -64,11 +64,7 @@ def run(cfg: InferConfig) -> dict:
     decoders.check(cfg.methods, cfg.decode.temperature)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    location = target_location(cfg.model, cfg.paths.artifacts)
-    tokenizer = load_tokenizer(location, cfg.model.revision)
-    eos = generation_eos(location, tokenizer, cfg.model.revision)
-    target = load_runtime(location, resolve_dtype(cfg.model.dtype, device), device, cfg.model.aux_layer_ids,
-                          cfg.model.revision)
+    target, tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
 
     # ---- requests: malformed records and over-long prompts are named and skipped
     requests, rejected = read_requests(cfg.requests)

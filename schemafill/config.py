@@ -304,12 +304,38 @@ class InferConfig:
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
 
 
+@dataclass
+class ServeConfig:
+    """``python infer/serve.py``: an OpenAI-compatible chat-completions endpoint."""
+
+    method: str = "schemafill"  # served as model "<model.name>" and "<model.name>:<method>"
+    methods: list[str] = field(default_factory=list)  # more methods, each served as "<model.name>:<method>"
+    head: str | None = None  # exported EAGLE-3 head; default: <artifacts>/heads/<model>
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # one request decodes at a time (batch 1: the decoders keep per-launch state); this many
+    # more may wait for it, and a request beyond them is answered 503 at once
+    queue_size: int = 8
+    warmup: bool = True  # decode one small request per method before accepting any (untimed start-up costs)
+    device: str = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 0:
+            raise ValueError(f"queue_size must be 0 or more, got {self.queue_size}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0-65535, got {self.port}")
+
+
 def register_configs() -> None:
     """Register the schemas Hydra validates ``conf/config.yaml`` and ``conf/infer.yaml`` against."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="pipeline_schema", node=PipelineConfig)
     ConfigStore.instance().store(name="infer_schema", node=InferConfig)
+    ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
 
 
 def to_dataclass(cfg: DictConfig | Any, schema: type = PipelineConfig) -> Any:

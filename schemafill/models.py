@@ -101,3 +101,15 @@ def load_runtime(source: str, dtype: torch.dtype, device: torch.device, aux_laye
     from schemafill.runtime import load_target
 
     return load_target(local_folder(source, revision), dtype, device, aux_layer_ids)
+
+
+def load_launch_target(model: ModelConfig, artifacts: str | Path, device: torch.device) -> tuple[Any, Any, frozenset[int]]:
+    """What a decoding launch (``infer/run.py``, ``infer/serve.py``) runs on: the target on the
+    inference runtime, its tokenizer and its stop tokens."""
+    from schemafill.device import resolve_dtype
+
+    location = target_location(model, artifacts)
+    tokenizer = load_tokenizer(location, model.revision)
+    eos = generation_eos(location, tokenizer, model.revision)
+    target = load_runtime(location, resolve_dtype(model.dtype, device), device, model.aux_layer_ids, model.revision)
+    return target, tokenizer, eos

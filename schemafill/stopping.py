@@ -8,7 +8,7 @@ lossless promise, not a detail.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from schemafill.parser import ToolCallParser
 
@@ -16,8 +16,10 @@ from schemafill.parser import ToolCallParser
 class ResponseStop:
     """Tracks one response's tokens and text; knows when the response is finished."""
 
-    def __init__(self, tokenizer: Any, eos_ids: set[int] | frozenset[int], max_new_tokens: int) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: set[int] | frozenset[int], max_new_tokens: int,
+                 on_push: Callable[[list[int]], None] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.on_push = on_push  # told the response so far after every push that took tokens (streaming)
         self.eos_ids = frozenset(eos_ids)
         self.max_new_tokens = max_new_tokens
         self.ids: list[int] = []
@@ -56,6 +58,8 @@ class ResponseStop:
                 self._check()
             if self.reason is None and len(self.ids) >= self.max_new_tokens:
                 self.reason = "length"
+        if taken and self.on_push is not None:
+            self.on_push(self.ids)
         return taken
 
     def _check(self) -> None:

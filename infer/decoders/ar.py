@@ -4,7 +4,7 @@ with a ``Sampler``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from infer.constraint import Constraint
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
@@ -16,8 +16,9 @@ from schemafill.toolcall import ToolRequest
 
 
 def decode_ar(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
-              sampler: Sampler | None = None, constraint: Constraint | None = None) -> Decoded:
-    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens), scratch=0, sampler=sampler,
+              sampler: Sampler | None = None, constraint: Constraint | None = None,
+              on_commit: Callable[[list[int]], None] | None = None) -> Decoded:
+    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens, on_commit), scratch=0, sampler=sampler,
                     constraint=constraint)
     s.prefill()
     while not s.done:
@@ -33,8 +34,8 @@ class AR:
     max_new_tokens: int
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
-        return decode_ar(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, options.sampler,
-                         options.constraint)
+        return decode_ar(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos,
+                         options.sampler, options.constraint, options.on_commit)
 
 
 def build(ctx: DecoderContext, method: str) -> AR:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -38,10 +38,12 @@ def candidates_of(drafter: Drafter, tokens: list[int], new_aux: torch.Tensor) ->
 
 def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
                 drafter: Drafter, scratch: int = 64, sampler: Sampler | None = None,
-                constraint: Constraint | None = None, budget: NodeBudget | None = None) -> Decoded:
+                constraint: Constraint | None = None, budget: NodeBudget | None = None,
+                on_commit: Callable[[list[int]], None] | None = None) -> Decoded:
     """Draft, keep what ``budget`` finds worth its cost (everything without one), verify."""
     budget = budget or NodeBudget()
-    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens), scratch=scratch, sampler=sampler,
+    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens, on_commit), scratch=scratch,
+                    sampler=sampler,
                     constraint=constraint)
     drafter.start(s.layout.positions)
     s.prefill()
@@ -65,9 +67,9 @@ class Eagle3:
     budget: NodeBudget
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
-        return decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, self.drafter,
-                           scratch=self.drafter.budget.total, sampler=options.sampler, constraint=options.constraint,
-                           budget=self.budget)
+        return decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos,
+                           self.drafter, scratch=self.drafter.budget.total, sampler=options.sampler,
+                           constraint=options.constraint, budget=self.budget, on_commit=options.on_commit)
 
 
 def build(ctx: DecoderContext, method: str) -> Eagle3:

@@ -44,7 +44,8 @@ class Ngram:
     budget: NodeBudget = field(default_factory=NodeBudget)
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
-        return decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, NgramDrafter(self.cfg),
+        return decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos,
+                           NgramDrafter(self.cfg), on_commit=options.on_commit,
                            scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
                            constraint=options.constraint, budget=self.budget)
 

@@ -154,7 +154,8 @@ class SchemaFill:
         phases = Phases("forecast", "drafting", "verification", "other", "initialisation")
         with phases("forecast"):
             plans = self._forecast(request, groups, values)
-        s = MainSession(self.target, prompt, ResponseStop(self.tokenizer, self.eos, self.max_new_tokens),
+        s = MainSession(self.target, prompt,
+                        ResponseStop(self.tokenizer, self.eos, options.cap(self.max_new_tokens), options.on_commit),
                         scratch=cfg.budget.total + cfg.max_chain + 2 * cfg.copy_len,
                         side_capacity=cfg.side_capacity, sampler=options.sampler, constraint=options.constraint)
         self.drafter.start(s.layout.positions, s.layout.capacity)

@@ -74,7 +74,8 @@ class SuffixDecoding:
             while len(self.responses) >= self.cfg.max_cached_requests:  # room for this one: the oldest go
                 self.responses.remove(next(iter(self.responses.sequences)))
         drafter = RequestDrafter(self.cfg, self.responses, request.id, len(prompt))
-        decoded = decode_tree(self.target, self.tokenizer, prompt, self.max_new_tokens, self.eos, drafter,
+        decoded = decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos, drafter,
+                              on_commit=options.on_commit,
                               scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
                               constraint=options.constraint, budget=self.budget)
         drafter.catch_up(list(prompt) + decoded.ids)  # the last verification's tokens too: later requests read them

@@ -125,7 +125,8 @@ class ToolSpec:
         with phases("drafting"):
             first = self._along([], "", fsm.names())
         scratch = max(len(self.template[0]), sum(self.cfg.candidates), len(first[0]), self._keys_bound(fsm))
-        s = MainSession(self.target, prompt, ResponseStop(self.tokenizer, self.eos, self.max_new_tokens),
+        s = MainSession(self.target, prompt,
+                        ResponseStop(self.tokenizer, self.eos, options.cap(self.max_new_tokens), options.on_commit),
                         scratch=scratch, sampler=options.sampler, constraint=options.constraint)
         with phases("verification"):
             self._learn(s.prefill(*first))

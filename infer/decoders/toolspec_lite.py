@@ -61,7 +61,8 @@ class ToolSpecLite:
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         phases = Phases("drafting", "verification")
         plans = {fn["name"]: call_plan(fn) for fn in request.functions}
-        s = MainSession(self.target, prompt, ResponseStop(self.tokenizer, self.eos, self.max_new_tokens),
+        s = MainSession(self.target, prompt,
+                        ResponseStop(self.tokenizer, self.eos, options.cap(self.max_new_tokens), options.on_commit),
                         scratch=self.total, sampler=options.sampler, constraint=options.constraint)
         with phases("verification"):
             s.prefill()

@@ -1,0 +1,248 @@
+"""The OpenAI chat-completions protocol: a request body read into what the decoder needs,
+every way it can be wrong named in an OpenAI-style error, and the answer objects.
+
+Only what a tool-calling agent sends is read; fields we do not use (``user``,
+``metadata``, ``frequency_penalty`` ...) are ignored as OpenAI-compatible engines ignore
+them, and fields we cannot honour (``n`` > 1, ``logprobs``) are refused by name rather
+than silently dropped. Pure: standard library and ``schemafill`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from schemafill.response_format import serialize
+from schemafill.toolcall import ToolRequest
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("auto", "none", "required")
+NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's function names, plus the dots BFCL's use
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or the server must refuse (503), as OpenAI writes it."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+@dataclass
+class ChatRequest:
+    """One chat-completions request, checked."""
+
+    request: ToolRequest  # the conversation and catalog, as every decoder reads a request
+    model: str  # as the client named it (echoed back)
+    method: str  # the decoding method serving it
+    tool_choice: str  # auto | none | required | function
+    function: str | None  # the function tool_choice names
+    temperature: float
+    top_p: float
+    seed: int | None
+    max_tokens: int | None  # None: the server's decode.max_new_tokens
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+
+    @property
+    def constrained(self) -> bool:
+        """``required`` and a named function decode under the response grammar: always a valid call."""
+        return self.tool_choice in ("required", "function")
+
+    @property
+    def grammar_functions(self) -> list[dict]:
+        """The functions the response grammar allows."""
+        fns = self.request.functions
+        return [f for f in fns if f["name"] == self.function] if self.tool_choice == "function" else fns
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            (lo < value if lo_open else lo <= value) and value <= hi):
+        raise _bad(f"{key} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}", key)
+    return float(value)
+
+
+def _text(content: Any, param: str) -> str:
+    """Message content as text: a string, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{param}[{j}] must be a text part ({{'type': 'text', 'text': ...}}): "
+                           "this server reads text only", f"{param}[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"{param} must be a string or a list of text parts", param)
+
+
+def _assistant_calls(calls: Any, param: str) -> str:
+    """Earlier tool calls of the assistant, as the response text the target would have written."""
+    if not isinstance(calls, list):
+        raise _bad(f"{param} must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{param}[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}",
+                       f"{param}[{j}]")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            raise _bad(f"{param}[{j}].function.arguments is not a JSON string: {args[:60]!r}",
+                       f"{param}[{j}].function.arguments") from None
+        out.append({"name": fn["name"], "arguments": args})
+    return serialize(out)
+
+
+def parse_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{param} must be an object", param)
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{param}.role must be one of {list(ROLES)}, got {role!r}", f"{param}.role")
+        if role == "assistant" and m.get("tool_calls"):
+            content = _assistant_calls(m["tool_calls"], f"{param}.tool_calls")
+        else:
+            content = _text(m.get("content"), f"{param}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def parse_tools(tools: Any) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _bad("tools must be a list", "tools")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        param = f"tools[{i}]"
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise _bad(f"{param} must be {{'type': 'function', 'function': {{...}}}}", param)
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise _bad(f"{param}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+                       f"{param}.function.name")
+        if name in names:
+            raise _bad(f"{param}.function.name {name!r} is given twice", f"{param}.function.name")
+        names.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise _bad(f"{param}.function.parameters must be a JSON Schema of type object, got "
+                       f"{json.dumps(params)[:80]}", f"{param}.function.parameters")
+        clean = {"name": name, "parameters": params}
+        if isinstance(fn.get("description"), str):
+            clean["description"] = fn["description"]
+        out.append({"type": "function", "function": clean})
+    return out
+
+
+def parse_tool_choice(choice: Any, tools: list[dict]) -> tuple[str, str | None]:
+    names = [t["function"]["name"] for t in tools]
+    if choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise _bad(f"tool_choice must be one of {list(TOOL_CHOICES)} or a named function, got {choice!r}",
+                       "tool_choice")
+        if choice == "required" and not tools:
+            raise _bad("tool_choice 'required' needs tools", "tool_choice")
+        return choice, None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise _bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                   "tool_choice")
+    if name not in names:
+        raise _bad(f"tool_choice names the function {name!r}, which is not in tools ({names})", "tool_choice")
+    return "function", name
+
+
+def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temperature: float = 1.0) -> ChatRequest:
+    """``body`` checked and read; ``models`` maps the model ids served to their methods;
+    ``temperature`` is the one a request that names none decodes at (the server's
+    ``decode.temperature``: 0, greedy, unless it was launched otherwise)."""
+    model = body.get("model")
+    if model not in models:
+        raise APIError(404, f"model {model!r} is not served here; the models are {list(models)}", "model",
+                       "model_not_found")
+    if body.get("n", 1) != 1:
+        raise _bad("n must be 1: this server decodes one choice per request", "n")
+    if body.get("logprobs"):
+        raise _bad("logprobs are not supported", "logprobs")
+    tools = parse_tools(body.get("tools"))
+    choice, function = parse_tool_choice(body.get("tool_choice"), tools)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
+        raise _bad(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad(f"seed must be an integer, got {seed!r}", "seed")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("stream_options must be an object", "stream_options")
+    request = ToolRequest(id=request_id, messages=parse_messages(body.get("messages")), tools=tools, source="api")
+    return ChatRequest(request=request, model=model, method=models[model], tool_choice=choice, function=function,
+                       temperature=_number(body, "temperature", temperature, 0.0, 2.0),
+                       top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, max_tokens=max_tokens,
+                       stream=stream, include_usage=bool(options.get("include_usage")))
+
+
+# ------------------------------------------------------------------------- answers
+def usage(prompt_tokens: int, completion_tokens: int, target_calls: int, method: str) -> dict:
+    """OpenAI's usage, plus how the tokens were decoded."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "target_calls": target_calls,
+            "accept_length": round(completion_tokens / target_calls, 4) if target_calls else None, "method": method}
+
+
+def completion(completion_id: str, created: int, model: str, msg: dict, finish: str, use: dict) -> dict:
+    return {"id": completion_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}], "usage": use}
+
+
+def chunk(completion_id: str, created: int, model: str, delta: dict, finish: str | None = None,
+          use: dict | None = None, choices: bool = True) -> dict:
+    """One streamed chunk; ``choices=False`` is the usage-only last chunk (``include_usage``)."""
+    out = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}] if choices else []}
+    if use is not None:
+        out["usage"] = use
+    return out

@@ -1,0 +1,186 @@
+"""The server's decoding side: the target, tokenizer and decoders loaded once, a bounded
+queue in front of them, one decode at a time, and the Prometheus metrics of what it did.
+
+Batch 1: every decoder keeps per-launch state (its head's KV arena, node budget, what the
+learning peers remember), so requests take turns on one worker thread. A request that
+cannot wait (``queue_size`` already waiting) is refused with 503 at once; a request whose
+client went away is dropped before its turn or stopped at its next round
+(``DecodeOptions.on_commit`` raises ``Cancelled``), so it frees its place either way.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from infer import decoders
+from infer.constraint import SchemaGrammars
+from infer.decoding import Decoded, DecoderContext, DecodeOptions
+from infer.openai_protocol import APIError, ChatRequest
+from infer.sampling import Sampler
+from schemafill.config import ServeConfig
+from schemafill.device import resolve_device
+from schemafill.models import load_launch_target
+from schemafill.prompt import prompt_ids
+from schemafill.toolcall import ToolRequest
+
+
+class Cancelled(Exception):
+    """The client went away: the decode stops at its next round."""
+
+
+@dataclass
+class Job:
+    chat: ChatRequest
+    prompt: list[int]
+    options: DecodeOptions
+    cancel: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+
+
+class ServeMetrics:
+    """Counters and histograms by method, in a registry of this server's own."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("schemafill_requests", "Chat-completion requests answered, by outcome",
+                                ["method", "status"], registry=r)
+        self.prompt_tokens = Counter("schemafill_prompt_tokens", "Prompt tokens decoded", ["method"], registry=r)
+        self.completion_tokens = Counter("schemafill_completion_tokens", "Response tokens committed", ["method"],
+                                         registry=r)
+        self.target_calls = Counter("schemafill_target_calls", "Target forward calls (prefill included)", ["method"],
+                                    registry=r)
+        self.accept_length = Histogram("schemafill_accept_length", "Response tokens per target call, per request",
+                                       ["method"], buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 12), registry=r)
+        self.latency = Histogram("schemafill_request_seconds", "Request latency, queueing included", ["method"],
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.queue_seconds = Histogram("schemafill_queue_seconds", "Time a request waited for the decoder",
+                                       ["method"], buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 4, 8, 16, 32), registry=r)
+        self.queue_depth = Gauge("schemafill_queue_depth", "Requests decoding or waiting", registry=r)
+
+    def decoded(self, job: Job, d: Decoded, seconds: float) -> None:
+        m = job.chat.method
+        self.prompt_tokens.labels(m).inc(len(job.prompt))
+        self.completion_tokens.labels(m).inc(len(d.ids))
+        self.target_calls.labels(m).inc(d.target_calls)
+        if d.target_calls:
+            self.accept_length.labels(m).observe(len(d.ids) / d.target_calls)
+        self.latency.labels(m).observe(seconds)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+WARMUP = ToolRequest(
+    id="warmup", messages=[{"role": "user", "content": "What is the weather in Paris today?"}],
+    tools=[{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}])
+
+
+class Engine:
+    """The models a server answers for, and the one worker that decodes for them."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        methods = list(dict.fromkeys([cfg.method, *cfg.methods]))
+        decoders.check(methods, 0.0)
+        refused = [m for m in methods if m in decoders.SKELETON_METHODS]
+        if refused:
+            raise ValueError(f"{refused} fill AR's answer and are not lossless: they cannot be served")
+        self.cfg = cfg
+        device = resolve_device(cfg.device)
+        self.target, self.tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
+        ctx = DecoderContext(self.target, self.tokenizer, eos, cfg.decode,
+                             cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name))
+        self.decoders = decoders.build(methods, ctx)
+        name = cfg.model.name
+        self.models = {name: cfg.method, **{f"{name}:{m}": m for m in methods}}  # model id -> method
+        self._grammars: SchemaGrammars | None = None
+        self.metrics = ServeMetrics()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schemafill-decode")
+        self._lock = threading.Lock()
+        self.outstanding = 0  # decoding + waiting
+        self.created = int(time.time())
+        if cfg.warmup:
+            for decoder in self.decoders.values():
+                decoder.decode(WARMUP, self.prompt(WARMUP), DecodeOptions())
+                decoders.reset(decoder)  # the learning peers start from what clients send, not the warm-up
+
+    # ---- a request, ready to decode
+    def prompt(self, request: ToolRequest) -> list[int]:
+        return prompt_ids(request, self.cfg.model.prompt_style, self.tokenizer, self.cfg.model.chat_template_kwargs)
+
+    @property
+    def grammars(self) -> SchemaGrammars:
+        if self._grammars is None:  # xgrammar and the vocabulary's tables: only once a request needs them
+            self._grammars = SchemaGrammars(self.tokenizer, self.target.config.vocab_size)
+        return self._grammars
+
+    def prepare(self, chat: ChatRequest) -> Job:
+        """Render the prompt, check it fits, and choose how each node is decided."""
+        d = self.cfg.decode
+        prompt = self.prompt(chat.request)
+        cap = chat.max_tokens or d.max_new_tokens
+        if len(prompt) + cap > self.cfg.model.max_context:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens and max_tokens is {cap}: together they exceed "
+                                f"the model's context of {self.cfg.model.max_context} tokens", "messages",
+                           "context_length_exceeded")
+        constraint = None
+        close_at = cap - d.close_margin if d.close_margin else None
+        if chat.constrained:  # always a valid call of the allowed tools: lossless against constrained AR
+            constraint = self.grammars.constraint(chat.grammar_functions, True, min_calls=1, close_at=close_at)
+        elif chat.tool_choice == "auto" and d.constrain != "none" and chat.request.tools:
+            constraint = self.grammars.constraint(chat.request.functions, d.constrain == "schema", close_at=close_at)
+        seed = chat.seed if chat.seed is not None else random.getrandbits(32)
+        return Job(chat, prompt, DecodeOptions(Sampler(chat.temperature, chat.top_p, seed), constraint, cap))
+
+    # ---- the queue and the worker
+    def submit(self, job: Job, on_commit: Callable[[list[int]], None] | None = None) -> Future:
+        """Queue ``job``; refuse it (503) when ``queue_size`` requests already wait."""
+        with self._lock:
+            if self.outstanding >= 1 + self.cfg.queue_size:
+                self.metrics.requests.labels(job.chat.method, "503").inc()
+                raise APIError(503, f"the server is busy: one request is decoding and {self.cfg.queue_size} are "
+                                    "waiting (queue_size); retry shortly", code="server_busy", kind="server_error")
+            self.outstanding += 1
+            self.metrics.queue_depth.set(self.outstanding)
+        return self.executor.submit(self._decode, job, on_commit)
+
+    def _decode(self, job: Job, on_commit: Callable[[list[int]], None] | None) -> Decoded:
+        try:
+            if job.cancel.is_set():
+                raise Cancelled()
+            job.started_at = time.perf_counter()
+            self.metrics.queue_seconds.labels(job.chat.method).observe(job.started_at - job.queued_at)
+
+            def commit(ids: list[int]) -> None:
+                if job.cancel.is_set():
+                    raise Cancelled()
+                if on_commit is not None:
+                    on_commit(ids)
+
+            decoded = self.decoders[job.chat.method].decode(job.chat.request, job.prompt,
+                                                            replace(job.options, on_commit=commit))
+            self.metrics.decoded(job, decoded, time.perf_counter() - job.queued_at)
+            return decoded
+        finally:
+            with self._lock:
+                self.outstanding -= 1
+                self.metrics.queue_depth.set(self.outstanding)
+
+    def text(self, ids: list[int]) -> str:
+        """The response so far, without a multi-byte character still split across tokens."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -164,10 +164,7 @@ def parse_tools(tools: Any) -> list[dict]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise _bad(f"{param}.function.parameters must be a JSON Schema of type object, got "
                        f"{json.dumps(params)[:80]}", f"{param}.function.parameters")
-        clean = {"name": name, "parameters": params}
-        if isinstance(fn.get("description"), str):
-            clean["description"] = fn["description"]
-        out.append({"type": "function", "function": clean})
+        out.append({"type": "function", "function": dict(fn)})  # as sent: the prompt shows the client's schema
     return out
 
 

@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run full test test-full bench gpu-check clean
+.PHONY: help setup run full test test-full bench serve serve-bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -53,6 +53,13 @@ BENCH_ARGS ?=
 bench: setup  ## AR vs EAGLE-3, the training-free peers and SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests; BENCH_ARGS="decode.constrain=schema") -> outputs/bench/
 	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
 		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench $(BENCH_ARGS)
+
+serve: setup  ## the OpenAI-compatible endpoint on the built-in target, SchemaFill decoding (http://127.0.0.1:8000/v1)
+	$(BIN)/python infer/serve.py model=smollm2-135m method=schemafill methods=[ar,eagle3]
+
+SERVE_BENCH_LIMIT ?= 12
+serve-bench: setup  ## in-process decode vs the HTTP path (whole and streamed), per method, same requests -> outputs/serve_bench.json
+	$(BIN)/python infer/serve_bench.py --limit $(SERVE_BENCH_LIMIT) --methods ar,eagle3,schemafill
 
 gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
 	$(BIN)/python infer/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json

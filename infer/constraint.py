@@ -135,13 +135,17 @@ class SchemaGrammars:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.pieces: list[bytes] = list(self.info.decoded_vocab[:vocab_size])
-        # [2, V] closing tokens outside a string (only ']' and '}') and inside one ('"' first,
-        # then only ']' and '}': a '}' inside a string is text, it closes nothing)
-        self.closers = torch.zeros(2, vocab_size, dtype=torch.bool)
+        # [3, V] closing tokens outside a string (only ']' and '}'), inside one ('"' first,
+        # then only ']' and '}': a '}' inside a string is text, it closes nothing), and the
+        # ones that end a value and move on to the next key (',' with ']', '}' and spaces):
+        # where an object still needs keys, that is the way out
+        self.closers = torch.zeros(3, vocab_size, dtype=torch.bool)
         for i, piece in enumerate(self.pieces):
             if piece and set(piece) <= set(b'"]}'):
                 self.closers[0, i] = b'"' not in piece
                 self.closers[1, i] = piece[:1] == b'"'
+            if b"," in piece and set(piece) <= set(b",]} "):
+                self.closers[2, i] = True
         self.cache: dict[str, Any] = {}
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
@@ -169,9 +173,11 @@ class Constraint:
 
     From response token ``close_at`` on (``max_new_tokens - decode.close_margin``), wherever
     the grammar allows a closing token only those are allowed: inside a string, a token that
-    ends it (``"`` first, then only ``]`` and ``}``); outside, one made of ``]`` and ``}``.
-    So a value, list or object that could go on ends as soon as it may, and a target caught
-    in a loop still writes a complete response before the length cap. It is part of the
+    ends it (``"`` first, then only ``]`` and ``}``); outside, one made of ``]`` and ``}``,
+    and where neither may come (an object that still needs keys), one made of ``,`` (with
+    ``]``, ``}`` and spaces) that ends the value and moves on. So a value, list or object
+    that could go on ends as soon as it may, and a target caught in a loop (say, digits of a
+    number while required keys remain) still writes a complete response before the cap. It is part of the
     grammar's contract, a function of the prefix like the rest, so every decoder applies it
     alike.
 
@@ -203,6 +209,9 @@ class Constraint:
             closing = allowed & self.closers[int(string[0])]
             if closing.any():
                 return closing
+            onward = allowed & self.closers[2]
+            if not string[0] and onward.any():  # e.g. after a number while required keys remain
+                return onward
         return allowed
 
     def check(self, tree_tokens: list[int], parents: list[int]) -> tuple[torch.Tensor | None, list[bool]]:

@@ -194,7 +194,7 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
     ``temperature`` is the one a request that names none decodes at (the server's
     ``decode.temperature``: 0, greedy, unless it was launched otherwise)."""
     model = body.get("model")
-    if model not in models:
+    if not isinstance(model, str) or model not in models:
         raise APIError(404, f"model {model!r} is not served here; the models are {list(models)}", "model",
                        "model_not_found")
     if body.get("n", 1) != 1:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Any, AsyncIterator
 
 import hydra
@@ -68,18 +69,21 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = parse_body(await request.body())
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         try:
-            chat = parse_chat_request(body, engine.models, cid, engine.cfg.decode.temperature)
+            chat = parse_chat_request(parse_body(await request.body()), engine.models, cid,
+                                      engine.cfg.decode.temperature)
             job = engine.prepare(chat)
         except APIError as e:
-            engine.metrics.requests.labels(engine.models.get(body.get("model"), ""), str(e.status)).inc()
+            engine.metrics.requests.labels("", str(e.status)).inc()  # refused before a method was chosen
             raise
         created, call_id = int(time.time()), (lambda i: f"call_{cid[9:]}_{i}")
         parse_calls = chat.tool_choice != "none"
-        if chat.stream:
-            return StreamingResponse(_stream(engine, job, cid, created, call_id, parse_calls),
+        if chat.stream:  # queued (or refused with 503) before the stream's 200 goes out
+            loop, texts = asyncio.get_running_loop(), asyncio.Queue()
+            future = engine.submit(job, lambda ids: loop.call_soon_threadsafe(texts.put_nowait, engine.text(ids)))
+            future.add_done_callback(lambda _: loop.call_soon_threadsafe(texts.put_nowait, None))
+            return StreamingResponse(_stream(engine, job, future, texts, cid, created, call_id, parse_calls),
                                      media_type="text/event-stream")
         future = engine.submit(job)
         watch = asyncio.create_task(_watch_disconnect(request, job))
@@ -110,13 +114,10 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _stream(engine: Engine, job: Job, cid: str, created: int, call_id: Any, parse_calls: bool
-                  ) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format: the response after every round, as deltas."""
-    loop = asyncio.get_running_loop()
-    texts: asyncio.Queue = asyncio.Queue()
-    future = engine.submit(job, lambda ids: loop.call_soon_threadsafe(texts.put_nowait, engine.text(ids)))
-    future.add_done_callback(lambda _: loop.call_soon_threadsafe(texts.put_nowait, None))
+async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue, cid: str, created: int,
+                  call_id: Any, parse_calls: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format: the response after every round (``texts``,
+    None once the decode ``future`` is done), as deltas."""
     chat, stream = job.chat, MessageStream(call_id, parse_calls)
 
     def event(delta: dict, finish: str | None = None) -> str:

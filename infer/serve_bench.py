@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from infer.decoding import DecodeOptions
 from infer.openai_message import message
@@ -49,6 +50,7 @@ def bench(engine: Engine, requests: list, methods: list[str]) -> dict:
     with BackgroundServer(engine) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         name = engine.cfg.model.name
+        bar = tqdm(total=len(requests) * len(methods), desc="serve-bench", unit="decode x3", dynamic_ncols=True)
         for i, r in enumerate(requests):
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:
                 t0 = time.perf_counter()
@@ -70,6 +72,8 @@ def bench(engine: Engine, requests: list, methods: list[str]) -> dict:
                     [(c["function"]["name"], c["function"]["arguments"]) for c in want.get("tool_calls", [])]
                 rows[m].append({"id": r.id, "tokens": len(decoded.ids), "direct_s": direct, "http_s": http,
                                 "stream_s": streamed, "first_s": first, "same": same})
+                bar.update()
+        bar.close()
     out = {}
     for m, rs in rows.items():
         tokens = sum(x["tokens"] for x in rs)

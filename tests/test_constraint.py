@@ -84,11 +84,13 @@ def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target)
 
 
 def closing_tokens(tok) -> torch.Tensor:
-    """[2, V] closing tokens outside a string (only ']' and '}') and inside one (a '"' first),
-    found by decoding each token, independently of the module's xgrammar-based table."""
+    """[3, V] closing tokens outside a string (only ']' and '}'), inside one (a '"' first), and
+    the ones that move on to the next key (a ',' with ']', '}' and spaces), found by decoding
+    each token, independently of the module's xgrammar-based table."""
     texts = [tok.decode([i]) for i in range(len(tok))]
     ok = [bool(s) and set(s) <= set('"]}') for s in texts]
-    return torch.tensor([[o and '"' not in s for o, s in zip(ok, texts)], [o and s[:1] == '"' for o, s in zip(ok, texts)]])
+    return torch.tensor([[o and '"' not in s for o, s in zip(ok, texts)], [o and s[:1] == '"' for o, s in zip(ok, texts)],
+                         ["," in s and set(s) <= set(",]} ") for s in texts]])
 
 
 def inside_string(text: str) -> bool:
@@ -114,7 +116,7 @@ def test_closing_mode_allows_only_closers_where_the_grammar_has_one(smol_tokeniz
     assert late.next_allowed()[call]  # not yet closing: a call may start
     masks, ok = late.check([call, tok("]", add_special_tokens=False).input_ids[0]], [ROOT, ROOT])
     assert ok == [True, True]
-    outside, inside = closing_tokens(tok)
+    outside, inside, _ = closing_tokens(tok)
     after_call = masks[1]  # in the key after '{"' at the closing index: no closer fits, so no restriction
     assert after_call.any() and not (after_call & inside).any()
     early = grammars.constraint([WEATHER["function"]])  # closing from the start
@@ -127,6 +129,23 @@ def test_closing_mode_allows_only_closers_where_the_grammar_has_one(smol_tokeniz
     early.advance(into)
     row = early.next_allowed()
     assert row.any() and not (row & ~inside).any()  # inside a string: only tokens that end it
+
+
+def test_closing_mode_moves_on_where_an_object_still_needs_keys(smol_tokenizer):
+    """After a number with a required key still to come, neither '}' nor more digits: only a
+    ',' that ends the value (a random target otherwise writes digits up to the cap)."""
+    tok = smol_tokenizer
+    fn = {"name": "f", "parameters": {"type": "object", "required": ["a", "b"],
+                                      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
+    grammars = SchemaGrammars(tok, len(tok), close_at=0)
+    c = grammars.constraint([fn])
+    c.advance(tok('{"tool_calls": [{"name": "f", "arguments": {"a": 5', add_special_tokens=False).input_ids)
+    row = c.next_allowed()
+    _, _, onward = closing_tokens(tok)
+    assert row.any() and not (row & ~onward).any()
+    free = SchemaGrammars(tok, len(tok)).constraint([fn])  # without the closing rule: digits may go on
+    free.advance(tok('{"tool_calls": [{"name": "f", "arguments": {"a": 5', add_special_tokens=False).input_ids)
+    assert free.next_allowed()[tok("5", add_special_tokens=False).input_ids[0]]
 
 
 def masked_greedy(model, tok, grammar, prompt: list[int], steps: int, close_at: int) -> list[int]:
@@ -144,9 +163,12 @@ def masked_greedy(model, tok, grammar, prompt: list[int], steps: int, close_at: 
             logits = model(torch.tensor([prompt + ids])).logits[0, -1, : len(tok)].clone()
         matcher.fill_next_token_bitmask(bitmask)
         allowed = torch.tensor([bool(bitmask[0, i // 32] >> (i % 32) & 1) for i in range(len(tok))])
-        closing = allowed & closers[int(inside_string(tok.decode(ids)))]
+        inside = inside_string(tok.decode(ids))
+        closing, onward = allowed & closers[int(inside)], allowed & closers[2]
         if step >= close_at and closing.any():
             allowed = closing
+        elif step >= close_at and not inside and onward.any():
+            allowed = onward
         t = int(logits.masked_fill(~allowed, float("-inf")).argmax())
         assert matcher.accept_token(t)
         ids.append(t)

@@ -217,6 +217,7 @@ def test_bounded_load_answers_or_refuses_every_request_and_loses_none(served, cl
     ok = [(k, body) for k, status, body in results if status == 200]
     busy = [body for k, status, body in results if status == 503]
     bad = [status for k, status, _ in results if k == "bad"]
+    print(f"load: {len(ok)} answered, {len(busy)} refused 503, {len(bad)} bad refused 4xx")
     assert len(ok) + len(busy) + len(bad) == 32 and ok and busy and all(400 <= s < 500 for s in bad)
     assert all(b["error"]["code"] == "server_busy" for b in busy)
     for k, body in ok:  # each its own answer: nothing mixed up between concurrent requests

@@ -93,10 +93,10 @@ class Engine:
 
     def __init__(self, cfg: ServeConfig) -> None:
         methods = list(dict.fromkeys([cfg.method, *cfg.methods]))
-        decoders.check(methods, 0.0)
         refused = [m for m in methods if m in decoders.SKELETON_METHODS]
         if refused:
             raise ValueError(f"{refused} fill AR's answer and are not lossless: they cannot be served")
+        decoders.check(methods, 0.0)
         self.cfg = cfg
         device = resolve_device(cfg.device)
         self.target, self.tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)

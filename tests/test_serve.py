@@ -11,6 +11,7 @@ import time
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from infer.openai_message import assemble, finish_reason, message
@@ -21,7 +22,6 @@ from schemafill.records import read_requests
 from tests.conftest import compose
 from tests.test_infer import tiny_head  # noqa: F401  (fixture)
 
-openai = pytest.importorskip("openai")
 MODEL = "smollm2-135m"
 TARGET = ["model.finetune=false", "model.aux_layer_ids=[1,2,3]", "decode.max_new_tokens=24"]
 
@@ -266,3 +266,25 @@ def test_models_health_and_metrics(served, client):
                  "schemafill_accept_length_bucket", "schemafill_request_seconds_bucket", "schemafill_queue_depth"):
         assert name in text
     assert metric(text, "schemafill_completion_tokens_total", method="schemafill") > 0
+
+
+def test_help_names_the_endpoints_and_the_knobs():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    helped = subprocess.run([sys.executable, "infer/serve.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert helped.returncode == 0, helped.stderr[-2000:]
+    for words in ("POST /v1/chat/completions", "GET  /metrics", "queue_size", "tool_choice: auto", "port: 8000"):
+        assert words in helped.stdout
+
+
+def test_a_method_that_is_not_lossless_is_refused_before_any_model_loads(tmp_path):
+    cfg = to_dataclass(compose(["method=parallel_fill", f"paths.artifacts={tmp_path}"], config_name="serve"),
+                       ServeConfig)
+    with pytest.raises(ValueError, match="not lossless"):
+        Engine(cfg)
+    with pytest.raises(ValueError, match="unknown method"):
+        Engine(to_dataclass(compose(["method=medusa"], config_name="serve"), ServeConfig))

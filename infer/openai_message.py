@@ -32,10 +32,11 @@ def message(text: str, call_id: Callable[[int], str], parse_calls: bool = True) 
 
 
 def finish_reason(msg: dict, stop: str) -> str:
-    """``length`` when the cap cut the response, ``tool_calls`` when it called, else ``stop``."""
+    """``length`` when the cap cut the response, ``tool_calls`` when it called and closed the
+    response (an EOS inside a call leaves calls a client cannot run: ``stop``), else ``stop``."""
     if stop == "length":
         return "length"
-    return "tool_calls" if msg.get("tool_calls") else "stop"
+    return "tool_calls" if msg.get("tool_calls") and stop == "closed" else "stop"
 
 
 @dataclass
@@ -48,16 +49,24 @@ class MessageStream:
     content_sent: int = 0
     sent: list[int] = field(default_factory=list)  # argument characters sent, per started call
     mode: bool | None = None  # True: tool calls, False: content, None: not known yet
+    finished: bool = False  # the final text was fed: nothing more to send
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """The deltas ``text`` adds to what was fed before (``final``: the finished response)."""
         if not text.startswith(self.text):
             raise ValueError("streamed text must only grow: the detokenized response revised what was sent")
         self.text = text
+        if self.finished:
+            return []
+        self.finished = final
         if self.mode is None:
             self.mode = is_calls(text) if self.parse_calls else False
             if self.mode is None and final:
                 self.mode = False
+        if final and not self.content_sent and not self.sent and not call_spans(text) and \
+                (self.mode or not text):  # an empty reply: its content is "", not absent
+            self.mode = self.mode if self.mode is not None else False
+            return [{"content": ""}]
         if self.mode is None:  # still a prefix of the header: wait
             return []
         if not self.mode:

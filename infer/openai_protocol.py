@@ -2,9 +2,10 @@
 every way it can be wrong named in an OpenAI-style error, and the answer objects.
 
 Only what a tool-calling agent sends is read; fields we do not use (``user``,
-``metadata``, ``frequency_penalty`` ...) are ignored as OpenAI-compatible engines ignore
-them, and fields we cannot honour (``n`` > 1, ``logprobs``) are refused by name rather
-than silently dropped. Pure: standard library and ``schemafill`` only.
+``metadata``, ``frequency_penalty``, ``parallel_tool_calls`` ...) are ignored as
+OpenAI-compatible engines ignore them, and fields we cannot honour (``n`` > 1,
+``logprobs``, ``stop``, a ``response_format`` other than text) are refused by name rather
+than silently dropped. A null field is an absent one. Pure: standard library and ``schemafill`` only.
 """
 
 from __future__ import annotations
@@ -71,8 +72,15 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise _bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise _bad("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
+    try:  # a lone surrogate ("\\ud800") is valid JSON but no text a tokenizer can read
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad("the request body holds a lone UTF-16 surrogate (e.g. \\ud800): not text", code="invalid_json") \
+            from None
     return body
 
 
@@ -193,6 +201,7 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
     """``body`` checked and read; ``models`` maps the model ids served to their methods;
     ``temperature`` is the one a request that names none decodes at (the server's
     ``decode.temperature``: 0, greedy, unless it was launched otherwise)."""
+    body = {k: v for k, v in body.items() if v is not None}  # null means absent, as in OpenAI's API
     model = body.get("model")
     if not isinstance(model, str) or model not in models:
         raise APIError(404, f"model {model!r} is not served here; the models are {list(models)}", "model",
@@ -201,14 +210,19 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
         raise _bad("n must be 1: this server decodes one choice per request", "n")
     if body.get("logprobs"):
         raise _bad("logprobs are not supported", "logprobs")
+    if body.get("stop"):
+        raise _bad("stop sequences are not supported: responses stop where the tool-call format ends", "stop")
+    if body.get("response_format", {"type": "text"}) != {"type": "text"}:
+        raise _bad("response_format is not supported: use tools with tool_choice 'required' for a schema",
+                   "response_format")
     tools = parse_tools(body.get("tools"))
     choice, function = parse_tool_choice(body.get("tool_choice"), tools)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
         raise _bad(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
+        raise _bad(f"seed must be an integer in [0, 2**63), got {seed!r}", "seed")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be true or false", "stream")

@@ -98,7 +98,7 @@ def create_app(engine: Engine) -> FastAPI:
         finally:
             watch.cancel()
         engine.metrics.requests.labels(chat.method, "200").inc()
-        msg = message(decoded.text, call_id, parse_calls)
+        msg = message(engine.text(decoded.ids, final=True), call_id, parse_calls)
         return completion(cid, created, chat.model, msg, finish_reason(msg, decoded.stop),
                           usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method))
 
@@ -139,15 +139,20 @@ async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue
             yield _sse(APIError(500, f"decoding failed: {type(e).__name__}: {e}", kind="server_error").body())
             yield "data: [DONE]\n\n"
             return
-        for delta in stream.feed(decoded.text, final=True):
+        text = engine.text(decoded.ids, final=True)
+        for delta in stream.feed(text, final=True):
             yield event(delta)
-        msg = message(decoded.text, call_id, parse_calls)
+        msg = message(text, call_id, parse_calls)
         yield event({}, finish_reason(msg, decoded.stop))
         if chat.include_usage:
             use = usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method)
             yield _sse(chunk(cid, created, chat.model, {}, use=use, choices=False))
         yield "data: [DONE]\n\n"
-    except asyncio.CancelledError:  # the client went away mid-stream
+    except ValueError as e:  # the streamed text was revised: say so in the stream rather than drop it
+        status = "500"
+        yield _sse(APIError(500, f"streaming failed: {e}", kind="server_error").body())
+        yield "data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
         status = "499"
         raise
     finally:

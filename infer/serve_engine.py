@@ -109,7 +109,8 @@ class Engine:
         self.metrics = ServeMetrics()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schemafill-decode")
         self._lock = threading.Lock()
-        self.outstanding = 0  # decoding + waiting
+        self._jobs: set[int] = set()  # ids of the jobs submitted and not done
+        self._live: dict[int, Job] = {}
         self.created = int(time.time())
         if cfg.warmup:
             for decoder in self.decoders.values():
@@ -129,7 +130,10 @@ class Engine:
     def prepare(self, chat: ChatRequest) -> Job:
         """Render the prompt, check it fits, and choose how each node is decided."""
         d = self.cfg.decode
-        prompt = self.prompt(chat.request)
+        try:
+            prompt = self.prompt(chat.request)
+        except Exception as e:  # a chat template that refuses this conversation (e.g. roles out of order)
+            raise APIError(400, f"the conversation cannot be rendered as a prompt: {e}", "messages") from None
         cap = chat.max_tokens or d.max_new_tokens
         if len(prompt) + cap > self.cfg.model.max_context:
             raise APIError(400, f"the prompt has {len(prompt)} tokens and max_tokens is {cap}: together they exceed "
@@ -137,50 +141,71 @@ class Engine:
                            "context_length_exceeded")
         constraint = None
         close_at = cap - d.close_margin if d.close_margin else None
-        if chat.constrained:  # always a valid call of the allowed tools: lossless against constrained AR
-            constraint = self.grammars.constraint(chat.grammar_functions, True, min_calls=1, close_at=close_at)
-        elif chat.tool_choice == "auto" and d.constrain != "none" and chat.request.tools:
-            constraint = self.grammars.constraint(chat.request.functions, d.constrain == "schema", close_at=close_at)
+        try:
+            if chat.constrained:  # always a valid call of the allowed tools: lossless against constrained AR
+                constraint = self.grammars.constraint(chat.grammar_functions, True, min_calls=1, close_at=close_at)
+            elif chat.tool_choice == "auto" and d.constrain != "none" and chat.request.tools:
+                constraint = self.grammars.constraint(chat.request.functions, d.constrain == "schema",
+                                                      close_at=close_at)
+        except Exception as e:  # a schema the grammar engine cannot compile
+            raise APIError(400, f"the tools' parameter schemas do not make a response grammar: "
+                                f"{type(e).__name__}: {e}", "tools") from None
         seed = chat.seed if chat.seed is not None else random.getrandbits(32)
         return Job(chat, prompt, DecodeOptions(Sampler(chat.temperature, chat.top_p, seed), constraint, cap))
 
     # ---- the queue and the worker
+    @property
+    def outstanding(self) -> int:
+        """Requests decoding or waiting whose client is still there (a job whose client went
+        away gives its place back at once, though the worker drops it only on its turn)."""
+        with self._lock:
+            return sum(not j.cancel.is_set() for j in self._live.values())
+
     def submit(self, job: Job, on_commit: Callable[[list[int]], None] | None = None) -> Future:
         """Queue ``job``; refuse it (503) when ``queue_size`` requests already wait."""
+        if self.outstanding >= 1 + self.cfg.queue_size:
+            self.metrics.requests.labels(job.chat.method, "503").inc()
+            raise APIError(503, f"the server is busy: one request is decoding and {self.cfg.queue_size} are "
+                                "waiting (queue_size); retry shortly", code="server_busy", kind="server_error")
         with self._lock:
-            if self.outstanding >= 1 + self.cfg.queue_size:
-                self.metrics.requests.labels(job.chat.method, "503").inc()
-                raise APIError(503, f"the server is busy: one request is decoding and {self.cfg.queue_size} are "
-                                    "waiting (queue_size); retry shortly", code="server_busy", kind="server_error")
-            self.outstanding += 1
-            self.metrics.queue_depth.set(self.outstanding)
-        return self.executor.submit(self._decode, job, on_commit)
+            self._live[id(job)] = job
+        try:
+            future = self.executor.submit(self._decode, job, on_commit)
+        except RuntimeError:  # shut down
+            self._release(job)
+            raise APIError(503, "the server is shutting down", code="server_busy", kind="server_error") from None
+        future.add_done_callback(lambda _: self._release(job))  # also when the future is cancelled unrun
+        self.metrics.queue_depth.set(self.outstanding)
+        return future
+
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            self._live.pop(id(job), None)
+        self.metrics.queue_depth.set(self.outstanding)
 
     def _decode(self, job: Job, on_commit: Callable[[list[int]], None] | None) -> Decoded:
-        try:
+        if job.cancel.is_set():
+            raise Cancelled()
+        job.started_at = time.perf_counter()
+        self.metrics.queue_seconds.labels(job.chat.method).observe(job.started_at - job.queued_at)
+
+        def commit(ids: list[int]) -> None:
             if job.cancel.is_set():
                 raise Cancelled()
-            job.started_at = time.perf_counter()
-            self.metrics.queue_seconds.labels(job.chat.method).observe(job.started_at - job.queued_at)
+            if on_commit is not None:
+                on_commit(ids)
 
-            def commit(ids: list[int]) -> None:
-                if job.cancel.is_set():
-                    raise Cancelled()
-                if on_commit is not None:
-                    on_commit(ids)
+        decoded = self.decoders[job.chat.method].decode(job.chat.request, job.prompt,
+                                                        replace(job.options, on_commit=commit))
+        self.metrics.decoded(job, decoded, time.perf_counter() - job.queued_at)
+        return decoded
 
-            decoded = self.decoders[job.chat.method].decode(job.chat.request, job.prompt,
-                                                            replace(job.options, on_commit=commit))
-            self.metrics.decoded(job, decoded, time.perf_counter() - job.queued_at)
-            return decoded
-        finally:
-            with self._lock:
-                self.outstanding -= 1
-                self.metrics.queue_depth.set(self.outstanding)
-
-    def text(self, ids: list[int]) -> str:
-        """The response so far, without a multi-byte character still split across tokens."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+    def text(self, ids: list[int], final: bool = False) -> str:
+        """The response text an answer is made of, the same for every prefix a stream sees and
+        for the finished response: no clean-up of spaces (which revises earlier text when a
+        later token arrives), and, until ``final``, no multi-byte character still split."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return text if final else text.rstrip("\ufffd")
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

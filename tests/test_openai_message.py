@@ -54,6 +54,7 @@ def test_message_and_finish_reason():
     assert [c["id"] for c in msg["tool_calls"]] == ["call_0", "call_1"]
     assert finish_reason(msg, "closed") == "tool_calls"
     assert finish_reason(msg, "length") == "length"
+    assert finish_reason(message(TEXT[:-10], ids), "eos") == "stop"  # an EOS inside a call: nothing to run
     plain = message("I cannot help with that.", ids)
     assert plain == {"role": "assistant", "content": "I cannot help with that."}
     assert finish_reason(plain, "eos") == "stop"
@@ -71,6 +72,14 @@ def test_stream_sends_the_name_first_then_argument_fragments():
         {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]
     with pytest.raises(ValueError, match="only grow"):
         s.feed('{"tool_calls": [{"name": "g"')
+
+
+def test_an_empty_reply_streams_empty_content():
+    for text in ("", '{"tool_calls": []}', '{"tool_calls": ['):
+        s = MessageStream(ids)
+        deltas = s.feed(text) + s.feed(text, final=True)
+        assert deltas[-1] == {"content": ""} and assemble(deltas) == message(text, ids) == \
+            {"role": "assistant", "content": ""}
 
 
 def chunkings(text: str, rng: random.Random, n: int) -> list[list[int]]:

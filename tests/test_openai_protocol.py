@@ -31,6 +31,9 @@ def test_a_request_is_read_as_the_decoders_read_one():
     named = parse_chat_request(body(tool_choice={"type": "function", "function": {"name": "get_weather"}}), MODELS, "x")
     assert named.constrained and named.tool_choice == "function" and named.grammar_functions == [WEATHER["function"]]
     assert parse_chat_request(body(tools=None), MODELS, "x").tool_choice == "none"  # no tools: nothing to call
+    nulls = parse_chat_request(body(max_completion_tokens=None, max_tokens=50, n=None, stream=None, seed=None),
+                               MODELS, "x")  # null is absent, as in OpenAI's API
+    assert (nulls.max_tokens, nulls.stream, nulls.seed) == (50, False, None)
 
 
 def test_history_with_tool_calls_and_results_renders_like_the_corpus():
@@ -69,6 +72,9 @@ def test_history_with_tool_calls_and_results_renders_like_the_corpus():
     ({"n": 2}, 400, "n", "one choice"),
     ({"model": "gpt-4o"}, 404, "model", "not served"),
     ({"stream": "yes"}, 400, "stream", "true or false"),
+    ({"seed": 2 ** 64}, 400, "seed", "[0, 2**63)"),
+    ({"stop": ["\n"]}, 400, "stop", "not supported"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
 ])
 def test_bad_requests_are_named(over, status, param, words):
     with pytest.raises(APIError) as e:

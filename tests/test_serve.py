@@ -141,6 +141,12 @@ BAD = [  # (body, status, param)
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),  # over the context
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),  # lone surrogate
+    (b"[" * 100000, 400, None),  # nested past the parser's recursion limit
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": ["a"],
+                                                                      "required": ["a"]}}}]}, 400, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 64}, 400, "seed"),
 ]
 
 

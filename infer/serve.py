@@ -73,7 +73,7 @@ def create_app(engine: Engine) -> FastAPI:
         try:
             chat = parse_chat_request(parse_body(await request.body()), engine.models, cid,
                                       engine.cfg.decode.temperature)
-            job = engine.prepare(chat)
+            job = await asyncio.to_thread(engine.prepare, chat)  # tokenizing, compiling a grammar: off the loop
         except APIError as e:
             engine.metrics.requests.labels("", str(e.status)).inc()  # refused before a method was chosen
             raise

@@ -182,6 +182,9 @@ class TargetTrainConfig:
     bf16_autocast_cpu: str = "auto"
     checkpoint_minutes: float = 2.0  # resumable fine-tune state every this many minutes, and at the end
     quality_requests: int = 90  # BFCL450 requests (stratified by category) decoded for quality.json; 0 = all
+    # which stratified subset: fixed apart from the training seed, so seeds and recipes are
+    # compared on the same requests
+    quality_seed: int = 0
     quality_batch_size: int = 8
     # the quality gate: below these the stage stops the pipeline (its training state is kept,
     # and a rerun with a larger budget continues it); the bar they sit under is 0.95 / 0.90 / 25%

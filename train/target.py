@@ -145,8 +145,9 @@ def check_weights(cfg: PipelineConfig) -> dict:
 
 # train.target keys that only say how long to train, how to judge the result, or how often
 # to save: a rerun that changes only these continues the same fine-tune
-BUDGET_KEYS = ("max_minutes", "max_steps", "checkpoint_minutes", "quality_requests", "quality_batch_size",
-               "min_valid_json", "min_tool_name_accuracy", "max_calls_error", "allow_low_quality", "bf16_autocast_cpu")
+BUDGET_KEYS = ("max_minutes", "max_steps", "checkpoint_minutes", "quality_requests", "quality_seed",
+               "quality_batch_size", "min_valid_json", "min_tool_name_accuracy", "max_calls_error",
+               "allow_low_quality", "bf16_autocast_cpu")
 GATE_KEYS = ("min_valid_json", "min_tool_name_accuracy", "max_calls_error", "allow_low_quality")
 
 
@@ -279,7 +280,7 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
                                checkpoint=lambda p, opt: save_checkpoint(ckpt, model, p, opt))
         train_stats["precision"] = {"bf16_autocast": bf16, "why": why, "host": host_summary()}
         print(f"[target] fine-tuned: {train_stats}")
-        eval_requests = stratified(read_requests(eval_file)[0], tc.quality_requests, cfg.seed)
+        eval_requests = stratified(read_requests(eval_file)[0], tc.quality_requests, tc.quality_seed)
         q, samples = measure_quality(model, tokenizer, eval_requests, cfg)
         result = {**q, "train_seconds": train_stats["train_seconds"], "train": train_stats, "data": data_stats,
                   "subset": {"of": "bfcl450", "requests": len(eval_requests),

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from schemafill import atomic
 
-ROOT = Path(__file__).resolve().parents[1]
 ABLATIONS = ["schemafill_A", "schemafill_B", "schemafill_C", "schemafill_D"]
 MODES: dict[str, tuple[list[str], list[str]]] = {  # mode → (methods, decode overrides)
     "greedy": (["ar", "eagle3", "eagle3_wide", "toolspec", "parallel_fill", *ABLATIONS], []),
@@ -33,10 +32,8 @@ FIELDS = ("output_ids", "stop", "target_calls", "nodes", "forced", "pruned")  # 
 
 
 def record(out: Path, artifacts: Path, model: str, head: Path | None, limit: int, modes: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-
     from infer.run import run
-    from schemafill.config import InferConfig, register_configs, to_dataclass
+    from schemafill.config import InferConfig, compose_config
 
     requests = artifacts / "requests" / "bfcl450.jsonl"
     head = head or artifacts / "heads" / model
@@ -46,19 +43,17 @@ def record(out: Path, artifacts: Path, model: str, head: Path | None, limit: int
     done = json.loads(out.read_text()) if out.is_file() else {}
     if done and done.get("limit") != limit:  # modes of other requests would compare as missing or changed
         raise ValueError(f"{out} was recorded with --limit {done.get('limit')}, not {limit}: use another file")
-    register_configs()
     for mode in modes:
         if mode in done.get("modes", {}):
             print(f"[behaviour] {mode}: recorded already in {out}")
             continue
         methods, overrides = MODES[mode]
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose(config_name="infer", overrides=[
-                f"model={model}", f"paths.artifacts={artifacts}", f"requests={requests}", f"head={head}",
-                f"methods=[{','.join(methods)}]", f"limit={limit}", "warmup=0", "logger=none",
-                f"out={out.parent / f'.{out.stem}_{mode}'}", *overrides])
+        cfg = compose_config("infer", [
+            f"model={model}", f"paths.artifacts={artifacts}", f"requests={requests}", f"head={head}",
+            f"methods=[{','.join(methods)}]", f"limit={limit}", "warmup=0", "logger=none",
+            f"out={out.parent / f'.{out.stem}_{mode}'}", *overrides], InferConfig)
         print(f"[behaviour] {mode}: {', '.join(methods)} on {limit} requests")
-        rows = run(to_dataclass(cfg, InferConfig))["rows"]
+        rows = run(cfg)["rows"]
         done.setdefault("modes", {})[mode] = {
             m: {f"{r['id']}#{r['sample']}": {k: r[k] for k in FIELDS} for r in rs} for m, rs in rows.items()}
         done["limit"] = limit

@@ -20,6 +20,7 @@ from infer.node_budget import NodeBudget
 from infer.sampling import Sampler
 from schemafill.config import DecodeConfig
 from schemafill.runtime import Target
+from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
 
 
@@ -36,6 +37,10 @@ class DecodeOptions:
 
     def cap(self, default: int) -> int:
         return self.max_new_tokens if self.max_new_tokens is not None else default
+
+    def response_stop(self, tokenizer: Any, eos: frozenset[int], default_cap: int) -> ResponseStop:
+        """The stopping rule of this request: its cap (or the decoder's), telling ``on_commit``."""
+        return ResponseStop(tokenizer, eos, self.cap(default_cap), self.on_commit)
 
 
 @dataclass

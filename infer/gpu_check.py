@@ -116,11 +116,10 @@ LOSSLESS_METHODS = ["ar", "eagle3", "eagle3_wide", "toolspec", "toolspec_lite", 
 
 def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
     """``infer/run.py`` on this device with a random Llama over ``tokenizer_dir``: metrics per dtype."""
-    from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from infer.run import run
-    from schemafill.config import InferConfig, register_configs, to_dataclass
+    from schemafill.config import InferConfig, compose_config
     from schemafill.drafter import save_head
     from schemafill.runtime import load_target
 
@@ -136,17 +135,14 @@ def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
     target = load_target(work / "target", torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 3])
     save_head(random_head(target, target.hf_config, 4096), work / "head")
 
-    register_configs()
     results = {}
-    conf = Path(__file__).resolve().parents[1] / "conf"
     for dtype in ("float32", "bfloat16"):
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            cfg = compose(config_name="infer", overrides=[
-                f"requests={requests}", f"out={work / dtype}", f"head={work / 'head'}",
-                f"model.source={work / 'target'}", "model.finetune=false", "model.aux_layer_ids=[1,2,3]",
-                f"model.dtype={dtype}", "decode.max_new_tokens=48", f"limit={limit}", "logger=none",
-                f"methods=[{','.join(LOSSLESS_METHODS)}]", f"paths.artifacts={work / 'artifacts'}"])
-        metrics = run(to_dataclass(cfg, InferConfig))["metrics"]
+        cfg = compose_config("infer", [
+            f"requests={requests}", f"out={work / dtype}", f"head={work / 'head'}",
+            f"model.source={work / 'target'}", "model.finetune=false", "model.aux_layer_ids=[1,2,3]",
+            f"model.dtype={dtype}", "decode.max_new_tokens=48", f"limit={limit}", "logger=none",
+            f"methods=[{','.join(LOSSLESS_METHODS)}]", f"paths.artifacts={work / 'artifacts'}"], InferConfig)
+        metrics = run(cfg)["metrics"]
         results[dtype] = {m: {k: metrics[m][k] for k in ("ar_agreement", "accept_length", "tps", "requests")}
                           for m in metrics}
     return results

@@ -16,10 +16,8 @@ overrides of the serve config (e.g. ``model=...``, ``head=...``, ``decode=paper`
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -30,17 +28,9 @@ from infer.sampling import Sampler
 from infer.serve import BackgroundServer
 from infer.serve_engine import Engine
 from schemafill import atomic
-from schemafill.config import ServeConfig, register_configs, to_dataclass
+from schemafill.config import ServeConfig, compose_config
 from schemafill.device import host_summary
 from schemafill.records import read_requests
-
-
-def _config(overrides: list[str]) -> ServeConfig:
-    from hydra import compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        return to_dataclass(compose(config_name="serve", overrides=overrides), ServeConfig)
 
 
 def bench(engine: Engine, requests: list, methods: list[str]) -> dict:
@@ -95,7 +85,8 @@ def main() -> None:
     ap.add_argument("--out", default="outputs/serve_bench.json")
     args, overrides = ap.parse_known_args()
     methods = args.methods.split(",")
-    cfg = _config([f"method={methods[0]}", f"methods=[{','.join(methods[1:])}]", *overrides])
+    cfg = compose_config("serve", [f"method={methods[0]}", f"methods=[{','.join(methods[1:])}]", *overrides],
+                         ServeConfig)
     requests = read_requests(args.requests)[0]
     requests = [requests[i * len(requests) // args.limit] for i in range(min(args.limit, len(requests)))]
     engine = Engine(cfg)

@@ -109,8 +109,7 @@ class Engine:
         self.metrics = ServeMetrics()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schemafill-decode")
         self._lock = threading.Lock()
-        self._jobs: set[int] = set()  # ids of the jobs submitted and not done
-        self._live: dict[int, Job] = {}
+        self._live: dict[int, Job] = {}  # submitted and not done, by id
         self.created = int(time.time())
         if cfg.warmup:
             for decoder in self.decoders.values():

@@ -9,6 +9,7 @@ receives the dataclasses (``to_dataclass``), never a DictConfig.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -349,6 +350,17 @@ def to_dataclass(cfg: DictConfig | Any, schema: type = PipelineConfig) -> Any:
     if not isinstance(obj, schema):  # composed without the schema: validate now
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
     return obj
+
+
+def compose_config(config_name: str, overrides: list[str], schema: type) -> Any:
+    """``conf/<config_name>.yaml`` with ``overrides``, as its Hydra app would read them, as
+    ``schema`` dataclasses: for scripts that drive an entry point without being its Hydra app
+    (benchmarks, device checks, behaviour records)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return to_dataclass(compose(config_name=config_name, overrides=overrides), schema)
 
 
 def to_dict(cfg: Any) -> dict:

@@ -43,8 +43,7 @@ def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_token
     """Draft, keep what ``budget`` finds worth its cost (everything without one), verify."""
     budget = budget or NodeBudget()
     s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens, on_commit), scratch=scratch,
-                    sampler=sampler,
-                    constraint=constraint)
+                    sampler=sampler, constraint=constraint)
     drafter.start(s.layout.positions)
     s.prefill()
     while not s.done:

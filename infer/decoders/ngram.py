@@ -45,9 +45,8 @@ class Ngram:
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         return decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos,
-                           NgramDrafter(self.cfg), on_commit=options.on_commit,
-                           scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
-                           constraint=options.constraint, budget=self.budget)
+                           NgramDrafter(self.cfg), scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
+                           constraint=options.constraint, budget=self.budget, on_commit=options.on_commit)
 
 
 def build(ctx: DecoderContext, method: str) -> Ngram:

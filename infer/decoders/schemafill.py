@@ -74,7 +74,6 @@ from infer.tree import ROOT, chain, merge
 from schemafill.config import ABLATIONS
 from schemafill.response_format import HEADER, call_header, field_prefix
 from schemafill.runtime import Target
-from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
 
 SIDE_DRAFT = "side_draft:1"  # the head's draft after a SIDE branch's pending token
@@ -154,8 +153,7 @@ class SchemaFill:
         phases = Phases("forecast", "drafting", "verification", "other", "initialisation")
         with phases("forecast"):
             plans = self._forecast(request, groups, values)
-        s = MainSession(self.target, prompt,
-                        ResponseStop(self.tokenizer, self.eos, options.cap(self.max_new_tokens), options.on_commit),
+        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens),
                         scratch=cfg.budget.total + cfg.max_chain + 2 * cfg.copy_len,
                         side_capacity=cfg.side_capacity, sampler=options.sampler, constraint=options.constraint)
         self.drafter.start(s.layout.positions, s.layout.capacity)

@@ -75,9 +75,8 @@ class SuffixDecoding:
                 self.responses.remove(next(iter(self.responses.sequences)))
         drafter = RequestDrafter(self.cfg, self.responses, request.id, len(prompt))
         decoded = decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos, drafter,
-                              on_commit=options.on_commit,
                               scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
-                              constraint=options.constraint, budget=self.budget)
+                              constraint=options.constraint, budget=self.budget, on_commit=options.on_commit)
         drafter.catch_up(list(prompt) + decoded.ids)  # the last verification's tokens too: later requests read them
         return decoded
 

@@ -48,7 +48,6 @@ from infer.tree import chain, merge
 from schemafill import response_format as fmt
 from schemafill.config import ToolSpecConfig
 from schemafill.runtime import Target
-from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
 
 ARGUMENTS = '", "arguments": {'  # after a tool's name, up to its first key
@@ -125,8 +124,7 @@ class ToolSpec:
         with phases("drafting"):
             first = self._along([], "", fsm.names())
         scratch = max(len(self.template[0]), sum(self.cfg.candidates), len(first[0]), self._keys_bound(fsm))
-        s = MainSession(self.target, prompt,
-                        ResponseStop(self.tokenizer, self.eos, options.cap(self.max_new_tokens), options.on_commit),
+        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens),
                         scratch=scratch, sampler=options.sampler, constraint=options.constraint)
         with phases("verification"):
             self._learn(s.prefill(*first))

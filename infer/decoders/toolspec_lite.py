@@ -38,7 +38,6 @@ from infer.retrieval import RetrievalStore
 from infer.session import MainSession
 from infer.tree import chain, merge
 from schemafill.runtime import Target
-from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
 
 
@@ -61,8 +60,7 @@ class ToolSpecLite:
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         phases = Phases("drafting", "verification")
         plans = {fn["name"]: call_plan(fn) for fn in request.functions}
-        s = MainSession(self.target, prompt,
-                        ResponseStop(self.tokenizer, self.eos, options.cap(self.max_new_tokens), options.on_commit),
+        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens),
                         scratch=self.total, sampler=options.sampler, constraint=options.constraint)
         with phases("verification"):
             s.prefill()

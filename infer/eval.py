@@ -197,8 +197,7 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         tracker.summary({f"eval/{d}/{m}/{k}": v for d, ms in metrics.items() for m, vals in ms.items()
                          for k, v in vals.items() if k in ("accept_length", "tps", "speedup", "ar_agreement")
                          and v is not None})
-        tracker.artifact(out, f"eval-{cfg.run_name}", "eval")
-        tracker.artifact(head, f"head-{cfg.run_name}", "model")
+        tracker.artifact(out, f"eval-{cfg.run_name}", "eval")  # the head went to W&B from its own stage
     return {"metrics": metrics, "report": str(out / "report.md"), "cached": False}
 
 

@@ -243,6 +243,9 @@ class LoggerConfig:
     mode: str = "auto"  # auto = online when an API key is configured, else offline; online | offline | disabled
     dir: str = "."  # W&B writes its run folders under <dir>/wandb
     tags: list[str] = field(default_factory=list)
+    # runs of one group are compared together in the W&B UI; a `--multirun` sweep that leaves
+    # this unset groups its runs by the sweep's folder (train/run.py)
+    group: str | None = None
 
 
 @dataclass

@@ -115,7 +115,7 @@ class WandbTracker:
         Path(cfg.dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=cfg.project, entity=cfg.entity, mode=resolve_mode(cfg.mode), dir=cfg.dir,
-            name=name, job_type=job_type, tags=list(cfg.tags) or None,
+            name=name, job_type=job_type, group=cfg.group, tags=list(cfg.tags) or None,
             config={**config, "_provenance": provenance()},
         )
 

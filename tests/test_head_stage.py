@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from data_gen.generate import build_continuations
 from schemafill.config import to_dataclass
 from schemafill.drafter import load_head
+from schemafill.tracking import NullTracker
 from tests.conftest import ROOT, accelerate_launch, compose
 from train.eagle3 import build_head, heads_dir
 
@@ -51,8 +52,10 @@ def clone(art, dst):
 def test_head_trains_exports_and_reports(tiny_continuations, tiny_target, tmp_path, cache):
     art = clone(tiny_continuations, tmp_path / "a")
     cfg = to_dataclass(compose(args_for(art, tiny_target, f"train.head.feature_cache={str(cache).lower()}")))
-    metrics = build_head(cfg)
+    tracker = NullTracker()
+    metrics = build_head(cfg, tracker)
     out = heads_dir(cfg)
+    assert tracker.artifacts == [(str(out), "head-tiny", "model")]  # the exported head, to W&B
     saved = json.loads((out / "train_metrics.json").read_text())
     assert len(saved["heldout_acc"]) == 2 and all(0 <= a <= 1 for a in saved["heldout_acc"])
     assert saved["heldout_loss"] > 0 and saved["heldout_rows"] > 0 and saved["optimizer_steps"] > 0

@@ -322,6 +322,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     if tracker is not None:
         tracker.summary({"head/heldout_loss": metrics["heldout_loss"],
                          **{f"head/heldout_acc_{k}": a for k, a in enumerate(metrics["heldout_acc"])}})
+        # the exported folder as vLLM/SGLang load it, versioned by W&B beside the run that trained it
+        tracker.artifact(out, f"head-{cfg.run_name}", "model")
     return {**metrics, "cached": False}
 
 

@@ -78,10 +78,23 @@ def write_summary(cfg: PipelineConfig, results: dict, stage: str) -> None:
 register_configs()
 
 
+def sweep_group() -> str | None:
+    """The W&B group of this job: its sweep's folder under ``--multirun`` (whichever launcher ran
+    it, so every target of one sweep lands in one group), None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    config = to_dataclass(cfg)
+    if config.logger.group is None:
+        config.logger.group = sweep_group()
     try:
-        run(to_dataclass(cfg))
+        run(config)
     except QualityGateError as e:  # a verdict, not a crash: the message says what to turn
         print(f"[target] {e}", file=sys.stderr)
         sys.exit(3)

@@ -43,6 +43,7 @@ from schemafill.generate import generate
 from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
 from schemafill.prompt import prompt_ids
 from schemafill.records import read_requests
+from schemafill.response_format import JSON, ResponseFormat, get_format
 from schemafill.toolcall import ToolRequest, parse_response
 
 OUTPUTS = ["dataset_info.json", "stats.json"]
@@ -74,7 +75,8 @@ def prompts_for(requests: list[ToolRequest], tokenizer: Any, cfg: PipelineConfig
     prompts: list[list[int] | None] = []
     skipped: dict[str, str] = {}
     for r in requests:
-        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
+        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs,
+                         get_format(cfg.model.response_format))
         if len(ids) + cfg.decode.max_new_tokens > cfg.model.max_context:
             skipped[r.id] = "prompt + response cap exceed model.max_context"
         elif gen.max_prompt_tokens and len(ids) > gen.max_prompt_tokens:
@@ -134,7 +136,8 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
         if left[s] == 0:
             write(s)
     generate(target, tokenizer, [prompts[j] for _, j in stream], cfg.decode.max_new_tokens,
-             cfg.data.continuations.batch_size, eos=eos, on_done=done, capture=capture)
+             cfg.data.continuations.batch_size, eos=eos, on_done=done, capture=capture,
+             fmt=get_format(cfg.model.response_format))
 
 
 def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
@@ -187,7 +190,8 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     if state.is_main_process:
         source = {"aux_layer_ids": list(m.aux_layer_ids), "dtype": str(dtype), "stage": "continuations"}
         stats = merge(work, len(plan), len(requests), out, time.perf_counter() - t0, fp, reused,
-                      features=source if cfg.data.continuations.features else None)
+                      features=source if cfg.data.continuations.features else None,
+                      fmt=get_format(cfg.model.response_format))
         shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
     state.wait_for_everyone()  # no rank moves on (e.g. to the head stage) before the merge is on disk
     if not state.is_main_process:
@@ -199,9 +203,9 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
 
 
 def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: str, reused: int,
-          features: dict | None = None) -> dict:
-    """All shards → one dataset (atomically) and its statistics; with ``features`` (their
-    provenance) also the shards' captured features as one feature cache in row order."""
+          features: dict | None = None, fmt: ResponseFormat = JSON) -> dict:
+    """All shards → one dataset (atomically) and its statistics (responses read as ``fmt``); with
+    ``features`` (their provenance) also the shards' captured features as one feature cache in row order."""
     import datasets
 
     rows, skipped, gen_seconds = [], [], 0.0
@@ -222,7 +226,7 @@ def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: st
         "requests": requests,
         "mean_prompt_tokens": sum(r["prompt_len"] for r in rows) / n,
         "mean_response_tokens": response_tokens / n,
-        "valid_json_rate": sum(parse_response(r["response_text"].strip()) is not None for r in rows) / n,
+        "valid_json_rate": sum(parse_response(r["response_text"].strip(), fmt) is not None for r in rows) / n,
         "empty_rate": sum(not r["response_text"].strip() for r in rows) / n,
         "composed_share": sum(r["composed"] for r in rows) / n,
         "stops": {s: sum(r["stop"] == s for r in rows) for s in ("closed", "eos", "length")},

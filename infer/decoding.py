@@ -19,6 +19,7 @@ from infer.cost_model import CostModel, load_or_measure
 from infer.node_budget import NodeBudget
 from infer.sampling import Sampler
 from schemafill.config import DecodeConfig
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
@@ -38,9 +39,10 @@ class DecodeOptions:
     def cap(self, default: int) -> int:
         return self.max_new_tokens if self.max_new_tokens is not None else default
 
-    def response_stop(self, tokenizer: Any, eos: frozenset[int], default_cap: int) -> ResponseStop:
-        """The stopping rule of this request: its cap (or the decoder's), telling ``on_commit``."""
-        return ResponseStop(tokenizer, eos, self.cap(default_cap), self.on_commit)
+    def response_stop(self, tokenizer: Any, eos: frozenset[int], default_cap: int,
+                      fmt: ResponseFormat = JSON) -> ResponseStop:
+        """The stopping rule of this request in ``fmt``: its cap (or the decoder's), telling ``on_commit``."""
+        return ResponseStop(tokenizer, eos, self.cap(default_cap), self.on_commit, fmt)
 
 
 @dataclass
@@ -65,14 +67,15 @@ class Decoder(Protocol):
 @dataclass
 class DecoderContext:
     """What a launch builds its decoders from: the target, its tokenizer and stop tokens, the
-    decode settings, and the head (loaded on first use: AR and the training-free methods
-    never need one)."""
+    decode settings, the target's response format, and the head (loaded on first use: AR and
+    the training-free methods never need one)."""
 
     target: Target
     tokenizer: Any
     eos: frozenset[int]
     decode: DecodeConfig
     head_folder: str
+    fmt: ResponseFormat = JSON
     skeletons: dict[str, dict] = field(default_factory=dict)  # AR's outputs by request id, as AR decodes them
     _head: Any = None
     _cost: Any = None

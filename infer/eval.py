@@ -11,7 +11,7 @@ and writes ``artifacts/eval/<model>/``:
 * ``metrics.json`` — ``{dataset: {method: {accept_length, tps, tps_std, speedup, ar_agreement,
   tokens, target_calls, seconds, requests, nodes_per_verify, kv_rows, ...}}}``;
 * ``by_calls.json`` — the same per number of calls in AR's response (1, 2, 3, 4+);
-* ``sampled.json`` — AR, EAGLE-3, ToolSpec and SchemaFill at ``eval.temperature`` (paper App. C.5);
+* ``sampled.json`` — ``eval.sampled_methods`` (the lossless ones) at ``eval.temperature`` (paper App. C.5);
 * ``constrained.json`` — ``eval.constrained_methods`` free and with ``decode.constrain=schema``;
 * ``report.md`` with Tables 1–7 and ``plots/*.png``; the same tables, plots and the report
   go to W&B.
@@ -34,6 +34,7 @@ from schemafill import atomic
 from schemafill.config import InferConfig, LoggerConfig, PipelineConfig, to_dict
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.models import target_location
+from schemafill.response_format import JSON, ResponseFormat, get_format
 from schemafill.toolcall import parse_response
 
 from infer import decoders, report
@@ -60,8 +61,8 @@ def methods_for(cfg: PipelineConfig, dataset: str) -> list[str]:
     return methods
 
 
-def call_group(text: str) -> str:
-    calls = parse_response(text.strip())
+def call_group(text: str, fmt: ResponseFormat = JSON) -> str:
+    calls = parse_response(text.strip(), fmt)
     if not calls:
         return "none"
     return str(len(calls)) if len(calls) < 4 else "4+"
@@ -83,11 +84,11 @@ def summarize(launches: list[dict[str, list[dict]]]) -> dict[str, dict]:
     return out
 
 
-def by_calls(rows: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+def by_calls(rows: dict[str, list[dict]], fmt: ResponseFormat = JSON) -> dict[str, dict[str, dict]]:
     """Pooled metrics per group of requests with the same number of calls in AR's response."""
     if "ar" not in rows:
         return {}
-    group = {r["id"]: call_group(r["text"]) for r in rows["ar"]}
+    group = {r["id"]: call_group(r["text"], fmt) for r in rows["ar"]}
     reference = {r["id"]: r["output_ids"] for r in rows["ar"]}
     out: dict[str, dict[str, dict]] = {}
     for g in sorted(set(group.values()), key=lambda g: (g == "none", g)):
@@ -164,7 +165,7 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         for m, chosen in (json.loads(selection.read_text()) if selection.is_file() else {}).items():
             if m in metrics[dataset]:
                 metrics[dataset][m]["selection"] = chosen
-        calls[dataset] = by_calls(launches[0])
+        calls[dataset] = by_calls(launches[0], get_format(cfg.model.response_format))
         if ec.temperature > 0:  # paper App. C.5: the lossless methods, sampling
             methods = [m for m in ec.sampled_methods if m in ec.methods and m != "parallel_fill"]
             hot = dataclasses.replace(cfg.decode, temperature=ec.temperature)
@@ -214,8 +215,13 @@ def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per
     learners = [m for m in ("toolspec", "toolspec_lite", "suffix") if any(m in ms for ms in metrics.values())]
     if learners:
         lines += [f"{', '.join(learners)} learn from earlier outputs: each launch starts them empty, and they learn "
-                  "only from responses decoded before in the same launch (never from the references); "
-                  "ToolSpec's differences from its authors' code: README, Methods.", ""]
+                  "only from responses decoded before in the same launch (never from the references)."]
+        if "toolspec" in learners:
+            lines += ["ToolSpec follows its authors' code (hemingkx/ToolSpec: token recycling into their 80-node "
+                      "tree, retrieval of the 10 most similar earlier outputs, their schema FSM) except where our "
+                      "response format and runtime force a change; the README lists each difference "
+                      "(\"ToolSpec, and where ours differs\")."]
+        lines += [""]
     plots = []
     main = "bfcl450" if "bfcl450" in metrics else next(iter(metrics))
     m = metrics[main]
@@ -240,8 +246,10 @@ def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per
     if sampled:
         tables["table6_sampled"] = report.table6(sampled)
         lines += [f"## Table 6 — sampling at temperature {temperature:g}", "",
-                  "Exact speculative sampling (the target's choice at each verified node is a fresh draw; drafts "
-                  "stay greedy); AR agreement does not apply to samples.", "",
+                  "Exact speculative sampling: the target's choice at each verified node is a fresh draw, and "
+                  "every draft (head, copies, suffix trees, recycling, packed values) depends only on committed "
+                  "tokens, so the output follows the target's distribution; AR agreement does not apply to samples.",
+                  "",
                   report.markdown(*tables["table6_sampled"]), ""]
     if compared:
         tables["table7_constrained"] = report.table7(compared)

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from schemafill.response_format import serialize
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.toolcall import ToolRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -111,7 +111,7 @@ def _text(content: Any, param: str) -> str:
     raise _bad(f"{param} must be a string or a list of text parts", param)
 
 
-def _assistant_calls(calls: Any, param: str) -> str:
+def _assistant_calls(calls: Any, param: str, fmt: ResponseFormat) -> str:
     """Earlier tool calls of the assistant, as the response text the target would have written."""
     if not isinstance(calls, list):
         raise _bad(f"{param} must be a list", param)
@@ -128,10 +128,11 @@ def _assistant_calls(calls: Any, param: str) -> str:
             raise _bad(f"{param}[{j}].function.arguments is not a JSON string: {args[:60]!r}",
                        f"{param}[{j}].function.arguments") from None
         out.append({"name": fn["name"], "arguments": args})
-    return serialize(out)
+    return fmt.serialize(out)
 
 
-def parse_messages(messages: Any) -> list[dict]:
+def parse_messages(messages: Any, fmt: ResponseFormat = JSON) -> list[dict]:
+    """The conversation, an assistant's earlier calls written back as ``fmt`` response text."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
     out = []
@@ -143,7 +144,7 @@ def parse_messages(messages: Any) -> list[dict]:
         if role not in ROLES:
             raise _bad(f"{param}.role must be one of {list(ROLES)}, got {role!r}", f"{param}.role")
         if role == "assistant" and m.get("tool_calls"):
-            content = _assistant_calls(m["tool_calls"], f"{param}.tool_calls")
+            content = _assistant_calls(m["tool_calls"], f"{param}.tool_calls", fmt)
         else:
             content = _text(m.get("content"), f"{param}.content")
         out.append({"role": "system" if role == "developer" else role, "content": content})
@@ -197,10 +198,12 @@ def parse_tool_choice(choice: Any, tools: list[dict]) -> tuple[str, str | None]:
     return "function", name
 
 
-def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temperature: float = 1.0) -> ChatRequest:
+def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temperature: float = 1.0,
+                       fmt: ResponseFormat = JSON) -> ChatRequest:
     """``body`` checked and read; ``models`` maps the model ids served to their methods;
     ``temperature`` is the one a request that names none decodes at (the server's
-    ``decode.temperature``: 0, greedy, unless it was launched otherwise)."""
+    ``decode.temperature``: 0, greedy, unless it was launched otherwise); ``fmt`` is the
+    target's response format, in which earlier assistant calls are written back."""
     body = {k: v for k, v in body.items() if v is not None}  # null means absent, as in OpenAI's API
     model = body.get("model")
     if not isinstance(model, str) or model not in models:
@@ -229,7 +232,7 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
-    request = ToolRequest(id=request_id, messages=parse_messages(body.get("messages")), tools=tools, source="api")
+    request = ToolRequest(id=request_id, messages=parse_messages(body.get("messages"), fmt), tools=tools, source="api")
     return ChatRequest(request=request, model=model, method=models[model], tool_choice=choice, function=function,
                        temperature=_number(body, "temperature", temperature, 0.0, 2.0),
                        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, max_tokens=max_tokens,

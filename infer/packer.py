@@ -4,9 +4,10 @@ write next, chaining structural bridges and prepared values across fields and ca
 Pure (standard library only). Given MAIN's committed response text and its parse state,
 the call plans (one tool per call position, from the forecast, rebound to what MAIN
 realized) and the prepared values, it builds the canonical serialization the target was
-asked for::
+asked for, in its response format (``schemafill.response_format``)::
 
-    {"tool_calls": [{"name": "t", "arguments": {"k": v, ...}}, ...]}
+    {"tool_calls": [{"name": "t", "arguments": {"k": v, ...}}, ...]}    # json
+    <tool_call>\n{"name": "t", "arguments": {...}}\n</tool_call>\n...     # hermes
 
 from the start of the current call — realized name and realized values as MAIN wrote
 them, then predicted keys with prepared values — and proposes whatever of it extends the
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemafill.parser import ParseState
-from schemafill.response_format import CALL_BRIDGE, CALL_CLOSE, CLOSE, FIELD_BRIDGE, HEADER, call_header, dumps
+from schemafill.response_format import CALL_CLOSE, FIELD_BRIDGE, JSON, ResponseFormat, call_header, dumps
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,14 @@ def _current_fields(text: str, state: ParseState, plan: CallPlan) -> list[tuple[
 
 
 def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
-            provisional: dict[tuple[int, str], str] | None = None) -> str:
+            provisional: dict[tuple[int, str], str] | None = None, fmt: ResponseFormat = JSON) -> str:
     """The predicted continuation of MAIN's committed ``text`` (empty when there is none)."""
-    return propose_tagged(text, state, plans, cross_calls, provisional)[0]
+    return propose_tagged(text, state, plans, cross_calls, provisional, fmt)[0]
 
 
 def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
-                   provisional: dict[tuple[int, str], str] | None = None) -> tuple[str, list[str]]:
+                   provisional: dict[tuple[int, str], str] | None = None, fmt: ResponseFormat = JSON
+                   ) -> tuple[str, list[str]]:
     """``propose``, with the kind of each character: a structural bridge (call header, keys,
     separators, closings), a prepared value, or a provisional value still being prepared."""
     ahead: dict[int, dict[str, str]] = {}  # call -> key -> unclosed value prefix
@@ -130,14 +132,14 @@ def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_ca
     elif state.calls_started:  # between calls: after the "}" of the last one
         base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
     else:  # no call yet
-        base, pieces, nxt = "", [(HEADER, BRIDGE)], 0
+        base, pieces, nxt = "", [(fmt.header, BRIDGE)], 0
         if nxt < len(plans):
             pieces += _plan_pieces(plans[0], ahead.get(0))
             nxt = 1
-    if cross_calls or not pieces or pieces == [(HEADER, BRIDGE)]:
+    if cross_calls or not pieces or pieces == [(fmt.header, BRIDGE)]:
         for j in range(nxt, len(plans)):
-            pieces += [(CALL_BRIDGE, BRIDGE)] + _plan_pieces(plans[j], ahead.get(j))
-        pieces.append((CLOSE, BRIDGE))
+            pieces += [(fmt.call_bridge, BRIDGE)] + _plan_pieces(plans[j], ahead.get(j))
+        pieces.append((fmt.close, BRIDGE))
     joined, kinds = _join(pieces)
     predicted = base + joined
     if not predicted.startswith(text):

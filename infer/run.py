@@ -35,6 +35,7 @@ from schemafill.device import resolve_device
 from schemafill.models import load_launch_target
 from schemafill.prompt import prompt_ids
 from schemafill.records import read_requests
+from schemafill.response_format import get_format
 from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
@@ -51,7 +52,8 @@ def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferCon
     """One timed decode: prompt rendering through stop."""
     opts = options(r, request_seed(cfg.decode.seed, r.id, k))
     t0 = time.perf_counter()
-    ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
+    ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs,
+                     get_format(cfg.model.response_format))
     d = decoder.decode(r, ids, opts)
     seconds = time.perf_counter() - t0
     return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
@@ -76,7 +78,8 @@ def run(cfg: InferConfig) -> dict:
             requests = [requests[i * len(requests) // cfg.limit] for i in range(cfg.limit)]
     kept: list[ToolRequest] = []
     for r in requests:
-        n = len(prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs))
+        n = len(prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs,
+                           get_format(cfg.model.response_format)))
         if n + cfg.decode.max_new_tokens > cfg.model.max_context:
             skipped.append({"id": r.id, "line": None, "reason": f"prompt of {n} tokens + max_new_tokens "
                                                               f"{cfg.decode.max_new_tokens} exceed the context "
@@ -90,7 +93,8 @@ def run(cfg: InferConfig) -> dict:
 
     # ---- decode the same requests with every method
     ctx = DecoderContext(target, tokenizer, eos, cfg.decode,
-                         cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name))
+                         cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name),
+                         fmt=get_format(cfg.model.response_format))
     methods = decoders.build(cfg.methods, ctx)
     d_cfg = cfg.decode
     # compiled once per catalog, before any timing; Parallel Fill is not constrained

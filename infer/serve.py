@@ -72,7 +72,7 @@ def create_app(engine: Engine) -> FastAPI:
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         try:
             chat = parse_chat_request(parse_body(await request.body()), engine.models, cid,
-                                      engine.cfg.decode.temperature)
+                                      engine.cfg.decode.temperature, engine.fmt)
             job = await asyncio.to_thread(engine.prepare, chat)  # tokenizing, compiling a grammar: off the loop
         except APIError as e:
             engine.metrics.requests.labels("", str(e.status)).inc()  # refused before a method was chosen
@@ -98,8 +98,9 @@ def create_app(engine: Engine) -> FastAPI:
         finally:
             watch.cancel()
         engine.metrics.requests.labels(chat.method, "200").inc()
-        msg = message(engine.text(decoded.ids, final=True), call_id, parse_calls)
-        return completion(cid, created, chat.model, msg, finish_reason(msg, decoded.stop),
+        text = engine.text(decoded.ids, final=True)
+        msg = message(text, call_id, parse_calls, engine.fmt)
+        return completion(cid, created, chat.model, msg, finish_reason(msg, decoded.stop, text, engine.fmt),
                           usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method))
 
     return app
@@ -118,7 +119,7 @@ async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue
                   call_id: Any, parse_calls: bool) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format: the response after every round (``texts``,
     None once the decode ``future`` is done), as deltas."""
-    chat, stream = job.chat, MessageStream(call_id, parse_calls)
+    chat, stream = job.chat, MessageStream(call_id, parse_calls, engine.fmt)
 
     def event(delta: dict, finish: str | None = None) -> str:
         return _sse(chunk(cid, created, chat.model, delta, finish))
@@ -142,8 +143,8 @@ async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue
         text = engine.text(decoded.ids, final=True)
         for delta in stream.feed(text, final=True):
             yield event(delta)
-        msg = message(text, call_id, parse_calls)
-        yield event({}, finish_reason(msg, decoded.stop))
+        msg = message(text, call_id, parse_calls, engine.fmt)
+        yield event({}, finish_reason(msg, decoded.stop, text, engine.fmt))
         if chat.include_usage:
             use = usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method)
             yield _sse(chunk(cid, created, chat.model, {}, use=use, choices=False))

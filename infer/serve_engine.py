@@ -27,6 +27,7 @@ from schemafill.config import ServeConfig
 from schemafill.device import resolve_device
 from schemafill.models import load_launch_target
 from schemafill.prompt import prompt_ids
+from schemafill.response_format import get_format
 from schemafill.toolcall import ToolRequest
 
 
@@ -100,8 +101,9 @@ class Engine:
         self.cfg = cfg
         device = resolve_device(cfg.device)
         self.target, self.tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
+        self.fmt = get_format(cfg.model.response_format)
         ctx = DecoderContext(self.target, self.tokenizer, eos, cfg.decode,
-                             cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name))
+                             cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name), fmt=self.fmt)
         self.decoders = decoders.build(methods, ctx)
         name = cfg.model.name
         self.models = {name: cfg.method, **{f"{name}:{m}": m for m in methods}}  # model id -> method
@@ -118,7 +120,8 @@ class Engine:
 
     # ---- a request, ready to decode
     def prompt(self, request: ToolRequest) -> list[int]:
-        return prompt_ids(request, self.cfg.model.prompt_style, self.tokenizer, self.cfg.model.chat_template_kwargs)
+        return prompt_ids(request, self.cfg.model.prompt_style, self.tokenizer, self.cfg.model.chat_template_kwargs,
+                          self.fmt)
 
     @property
     def grammars(self) -> SchemaGrammars:
@@ -140,6 +143,9 @@ class Engine:
                            "context_length_exceeded")
         constraint = None
         close_at = cap - d.close_margin if d.close_margin else None
+        if chat.constrained and self.fmt.name != "json":
+            raise APIError(400, f"tool_choice {chat.tool_choice!r} needs the response grammar, which exists for the "
+                                f"json format only; this target answers in {self.fmt.name!r}", "tool_choice")
         try:
             if chat.constrained:  # always a valid call of the allowed tools: lossless against constrained AR
                 constraint = self.grammars.constraint(chat.grammar_functions, True, min_calls=1, close_at=close_at)

@@ -21,7 +21,7 @@ from infer.packer import CallPlan
 from infer.session import Segment, Verified
 from schemafill.generate import common_prefix
 from schemafill.parser import parse_prefix
-from schemafill.response_format import HEADER, call_header, field_prefix
+from schemafill.response_format import JSON, ResponseFormat, call_header
 
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"]
 
@@ -92,8 +92,8 @@ class SideContexts:
     both; it sees the head's prompt entries [0, P-1) — the entry at P-1 is MAIN's own.
     """
 
-    def __init__(self, tokenizer: Any, prompt_len: int, base: int, size: int) -> None:
-        self.tokenizer, self.p = tokenizer, prompt_len
+    def __init__(self, tokenizer: Any, prompt_len: int, base: int, size: int, fmt: ResponseFormat = JSON) -> None:
+        self.tokenizer, self.p, self.fmt = tokenizer, prompt_len, fmt
         self.pool = SlotPool(base, size)
         self.trunks: dict[tuple[int, ...], Trunk] = {}
 
@@ -105,7 +105,7 @@ class SideContexts:
         """Segments that compute ``b``'s context (a new trunk first, if one is needed); None
         when the pool is full (try again next round)."""
         ids = self._ids(b.hint + b.header)
-        shared = common_prefix(ids, self._ids(b.hint + HEADER + call_header(b.tool)))
+        shared = common_prefix(ids, self._ids(b.hint + self.fmt.header + call_header(b.tool)))
         shared = min(shared, len(ids) - 1)  # the branch keeps at least its last token: its choice is the value's start
         segments = []
         key = tuple(ids[:shared])
@@ -242,8 +242,8 @@ class SideBranches:
     ``max_value_tokens`` is retired unprepared."""
 
     def __init__(self, tokenizer: Any, eos: frozenset[int], contexts: SideContexts, max_branches: int,
-                 max_value_tokens: int, optional: bool, depth: int) -> None:
-        self.tokenizer, self.eos, self.contexts = tokenizer, eos, contexts
+                 max_value_tokens: int, optional: bool, depth: int, fmt: ResponseFormat = JSON) -> None:
+        self.tokenizer, self.eos, self.contexts, self.fmt = tokenizer, eos, contexts, fmt
         self.max_branches, self.max_value_tokens, self.optional, self.depth = \
             max_branches, max_value_tokens, optional, depth
         self.branches: list[Branch] = []
@@ -275,7 +275,7 @@ class SideBranches:
             if (j, key) in have or (j, key) in self.done or (j, key) in realized or key in plans[j].values:
                 continue
             self.branches.append(Branch(call=j, tool=plans[j].tool, field=key, hint=ordinal_hint(j),
-                                        header=field_prefix(plans[j].tool, key)))
+                                        header=self.fmt.field_prefix(plans[j].tool, key)))
             have.add((j, key))
 
     def open_first(self, plans: list[CallPlan]) -> tuple[list[Segment], list[Branch | Trunk]]:
@@ -353,7 +353,7 @@ class SideBranches:
             literal = None
             if b.value:
                 text = b.header + self.tokenizer.decode(b.value, skip_special_tokens=True)
-                state = parse_prefix(text)
+                state = parse_prefix(text, self.fmt)
                 span = next(((a, e) for k, a, e in state.spans if k == b.field), None)
                 if span is not None:
                     literal = text[span[0]:span[1]]

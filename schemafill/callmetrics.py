@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.toolcall import ToolCall, ToolRequest, parse_response
 
 
@@ -18,14 +19,14 @@ def exact_match(calls: list[ToolCall], reference: list[ToolCall]) -> bool:
     return Counter(map(_call_key, calls)) == Counter(map(_call_key, reference))
 
 
-def quality(requests: list[ToolRequest], responses: list[str]) -> dict:
-    """Pooled quality of ``responses[i]`` as answers to ``requests[i]``."""
+def quality(requests: list[ToolRequest], responses: list[str], fmt: ResponseFormat = JSON) -> dict:
+    """Pooled quality of ``responses[i]`` as answers to ``requests[i]``, read as ``fmt``."""
     if len(requests) != len(responses):
         raise ValueError(f"{len(requests)} requests but {len(responses)} responses")
     valid = names_ok = names_total = matched = with_ref = 0
     calls_made, reference_calls = [], []
     for req, text in zip(requests, responses):
-        calls = parse_response(text.strip())
+        calls = parse_response(text.strip(), fmt)
         if calls is None:
             calls_made.append(0)
         else:

@@ -14,6 +14,8 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from schemafill.response_format import FORMATS
+
 STAGES = ("requests", "target", "continuations", "head", "eval")
 
 
@@ -30,6 +32,13 @@ class ModelConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. Qwen3: {enable_thinking: false}
     max_context: int = 8192  # requests whose prompt + response cap exceed this are rejected, not truncated
     finetune: bool = False  # the `target` stage fine-tunes this model into a tool caller (built-in target)
+    # how the target writes its calls (schemafill/response_format.py): json = the paper's
+    # {"tool_calls": [...]}; hermes = <tool_call> blocks, as Qwen2.5/Qwen3/Hermes-3 answer
+    response_format: str = "json"
+
+    def __post_init__(self) -> None:
+        if self.response_format not in FORMATS:
+            raise ValueError(f"model.response_format must be one of {sorted(FORMATS)}, got {self.response_format!r}")
 
 
 @dataclass
@@ -71,9 +80,10 @@ class DrafterConfig:
 class NgramConfig:
     """Prompt-lookup decoding (method ``ngram``), with vLLM's knob names."""
 
-    prompt_lookup_min: int = 1  # shortest trailing n-gram matched (vLLM's documented default)
-    prompt_lookup_max: int = 4  # longest, tried first (vLLM's documentation example)
-    num_speculative_tokens: int = 5  # tokens copied after the match (vLLM's documentation example)
+    # vLLM's SpeculativeConfig sets both to 5 when neither is given (its field docs still say 1)
+    prompt_lookup_min: int = 5  # shortest trailing n-gram matched
+    prompt_lookup_max: int = 5  # longest, tried first
+    num_speculative_tokens: int = 5  # tokens copied after the match (vLLM requires it; 5 as in its docs' example)
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max or self.num_speculative_tokens < 1:
@@ -278,6 +288,14 @@ class PipelineConfig:
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; the stages are {list(STAGES)}")
+        check_grammar(self.model, self.decode)
+
+
+def check_grammar(model: ModelConfig, decode: DecodeConfig) -> None:
+    """The response grammar (``decode.constrain``) is written for the json format only."""
+    if decode.constrain != "none" and model.response_format != "json":
+        raise ValueError(f"decode.constrain={decode.constrain} compiles the json format's grammar; "
+                         f"model.response_format={model.response_format} has none yet (use decode.constrain=none)")
 
 
 @dataclass
@@ -309,6 +327,7 @@ class InferConfig:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
         if self.sample not in ("spread", "first"):
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
+        check_grammar(self.model, self.decode)
 
 
 @dataclass
@@ -334,6 +353,7 @@ class ServeConfig:
             raise ValueError(f"queue_size must be 0 or more, got {self.queue_size}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0-65535, got {self.port}")
+        check_grammar(self.model, self.decode)
 
 
 def register_configs() -> None:

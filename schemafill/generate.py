@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from schemafill.runtime import Target, causal_visibility
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.stopping import ResponseStop, eos_token_ids
 
 
@@ -76,16 +77,18 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
              eos: frozenset[int] | None = None,
              on_done: Callable[[int, Generation], None] | None = None,
-             make_stop: Callable[[int], Any] | None = None, capture: bool = False) -> list[Generation]:
+             make_stop: Callable[[int], Any] | None = None, capture: bool = False,
+             fmt: ResponseFormat = JSON) -> list[Generation]:
     """Greedy responses for every prompt (admitted in the given order), returned in input
     order; ``on_done(index, generation)`` is called as each one finishes. ``make_stop(index)``
     replaces the response stopping rule with another object of ``ResponseStop``'s interface
-    (``push``, ``done``, ``ids``, ``text``, ``reason``). ``capture`` keeps each token's
+    (``push``, ``done``, ``ids``, ``text``, ``reason``); by default responses stop as ``fmt``'s
+    do. ``capture`` keeps each token's
     features (``Generation.aux``, ``.final``); with ``on_done`` only the callback sees them."""
     eos = eos_token_ids(tokenizer) if eos is None else eos
     if make_stop is None:
         def make_stop(_: int) -> ResponseStop:
-            return ResponseStop(tokenizer, eos, max_new_tokens)
+            return ResponseStop(tokenizer, eos, max_new_tokens, fmt=fmt)
     out: list[Generation | None] = [None] * len(prompts)
     if not prompts:
         return []

@@ -1,14 +1,17 @@
 """Incremental parser of a (partial) tool-call response.
 
 Owns one question: given the text committed so far, where are we in
-``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``? The SchemaFill
+``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` (or in the calls of another
+``ResponseFormat``: hermes' ``<tool_call>`` blocks read as that same list)? The SchemaFill
 decoder asks it after every round (which call, which tool, which field, inside a
 value or in structural text, is the outer object closed) and SIDE branches ask it
 when a drafted value literal has closed.
 
 It is a character-level JSON pushdown automaton, so it accepts any whitespace and
 any key order the target chooses, and is fed text incrementally (``feed``) so a
-decode loop pays only for the new characters. Pure: standard library only.
+decode loop pays only for the new characters. A tagged format's tags are matched as
+literals outside the call objects and stand for the list's brackets and commas, so every
+offset still counts characters of the real response. Pure: standard library only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from dataclasses import field as dc_field
+
+from schemafill.response_format import JSON, KEY, ResponseFormat
 
 _WHITESPACE = " \t\n\r"
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
@@ -27,7 +32,7 @@ _VALUE_TYPES = {'"': "string", "{": "object", "[": "array", "t": "boolean", "f":
 class ParseState:
     """Where a partial response stands. Offsets count characters of the text fed."""
 
-    closed: bool = False  # the outer object is complete
+    closed: bool = False  # the outer object is complete (formats whose EOS ends the response: never)
     error: str | None = None  # the text is not a prefix of any JSON value
     calls_started: int = 0  # call objects opened so far
     call_index: int | None = None  # 0-based index of the call object we are inside
@@ -72,7 +77,11 @@ class _Call:
 class ToolCallParser:
     """Feed text; read ``state``. Once an error is found the parser stops consuming."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: ResponseFormat = JSON) -> None:
+        self._fmt = fmt
+        # tagged formats, outside the call objects: start | call | after_call | between
+        self._outer = "start"
+        self._tag: tuple[str, int] | None = None  # (literal tag being matched, characters matched)
         self._stack: list[_Frame] = []
         self._scalar: list | None = None  # [kind, raw_chars, extra]
         self._root_done = False
@@ -123,6 +132,9 @@ class ToolCallParser:
         self._structural(ch)
 
     def _structural(self, ch: str) -> None:
+        if self._fmt.open_tag is not None and self._outer != "call":
+            self._between_tags(ch)
+            return
         if ch in _WHITESPACE:
             return
         if self._root_done:
@@ -169,6 +181,38 @@ class ToolCallParser:
                     self._close_container()
                 else:
                     self._fail(f"expected ',' or ']', got {ch!r}")
+
+    def _between_tags(self, ch: str) -> None:
+        """A tagged format outside its call objects: whitespace, or the tags as literals."""
+        if self._tag is not None:
+            tag, matched = self._tag
+            if ch != tag[matched]:
+                self._fail(f"expected {tag!r}")
+            elif matched + 1 < len(tag):
+                self._tag = (tag, matched + 1)
+            else:
+                self._tag = None
+                self._tag_closed(tag)
+            return
+        if ch in _WHITESPACE:
+            return
+        expected = self._fmt.close_tag if self._outer == "after_call" else self._fmt.open_tag
+        if ch != expected[0]:
+            self._fail(f"expected {expected!r}, got {ch!r}")
+        elif len(expected) == 1:
+            self._tag_closed(expected)
+        else:
+            self._tag = (expected, 1)
+
+    def _tag_closed(self, tag: str) -> None:
+        if tag == self._fmt.close_tag:
+            self._outer = "between"
+            return
+        # an open tag stands for the list's "[" (first call) or ",": the call's value comes next
+        if not self._stack:
+            self._stack = [_Frame("obj", "value", key=KEY), _Frame("arr", "value")]
+        self._stack[1].state = "value"
+        self._outer = "call"
 
     # ------------------------------------------------------------------ values
     def _start_value(self, ch: str) -> None:
@@ -240,7 +284,7 @@ class ToolCallParser:
 
     def _string_value_closed(self, text: str) -> None:
         path = self._path()
-        if len(path) == 3 and path[0] == "tool_calls" and path[2] == "name" and self._calls:
+        if len(path) == 3 and path[0] == KEY and path[2] == "name" and self._calls:
             self._calls[-1].name = text
         self._value_closed()
 
@@ -273,6 +317,8 @@ class ToolCallParser:
             self._root_closed_object = self._root_is_object
             return
         self._stack[-1].state = "comma_or_end"
+        if self._fmt.open_tag is not None and len(self._stack) == 2:
+            self._outer = "after_call"  # the value between two tags is complete: the close tag comes next
 
     # ------------------------------------------------------------------ paths
     def _path(self) -> tuple:
@@ -285,7 +331,7 @@ class ToolCallParser:
     def _writing_call(self) -> bool:
         """True when the next value is an element of the outer ``tool_calls`` list."""
         return (
-            len(self._stack) == 2 and self._stack[0].kind == "obj" and self._stack[0].key == "tool_calls"
+            len(self._stack) == 2 and self._stack[0].kind == "obj" and self._stack[0].key == KEY
             and self._stack[1].kind == "arr"
         )
 
@@ -295,7 +341,7 @@ class ToolCallParser:
             return False
         root, calls, call = self._stack[0], self._stack[1], self._stack[2]
         return (
-            root.kind == "obj" and root.key == "tool_calls" and calls.kind == "arr"
+            root.kind == "obj" and root.key == KEY and calls.kind == "arr"
             and call.kind == "obj" and call.key == "arguments"
         )
 
@@ -308,7 +354,7 @@ class ToolCallParser:
     def state(self) -> ParseState:
         depth = len(self._stack)
         in_call = (
-            depth >= 3 and self._stack[0].key == "tool_calls" and self._stack[1].kind == "arr"
+            depth >= 3 and self._stack[0].key == KEY and self._stack[1].kind == "arr"
             and self._stack[2].kind == "obj" and bool(self._calls)
         )
         call = self._calls[-1] if in_call else None
@@ -336,23 +382,23 @@ class ToolCallParser:
         )
 
 
-def parse_prefix(text: str) -> ParseState:
+def parse_prefix(text: str, fmt: ResponseFormat = JSON) -> ParseState:
     """State after feeding ``text`` to a fresh parser."""
-    return ToolCallParser().feed(text)
+    return ToolCallParser(fmt).feed(text)
 
 
-def response_layout(text: str) -> tuple[CallLayout, ...]:
+def response_layout(text: str, fmt: ResponseFormat = JSON) -> tuple[CallLayout, ...]:
     """Every call opened in ``text``, in order (the skeleton Parallel Fill fills)."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(fmt)
     parser.feed(text)
     return parser.layout
 
 
-def value_literal(text: str, key: str) -> str | None:
+def value_literal(text: str, key: str, fmt: ResponseFormat = JSON) -> str | None:
     """The literal of ``key``'s value in the last call of ``text``, once it has closed.
 
     A number closes only at the character after it, so ``text`` may run one past it."""
-    state = parse_prefix(text)
+    state = parse_prefix(text, fmt)
     return next((text[a:e] for k, a, e in state.spans if k == key), None)
 
 

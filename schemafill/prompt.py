@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from schemafill.response_format import EMPTY, TEMPLATE
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.toolcall import ToolRequest
 
 PROMPT_STYLES = ("plain", "chat")
@@ -21,13 +21,22 @@ INSTRUCTIONS = (
     "from this catalog (one JSON schema per line):"
 )
 
-FORMAT = (
-    "Reply with exactly one JSON object and nothing else, in this format:\n"
-    f"{TEMPLATE}\n"
-    "Add one entry per call, in the order the calls should run; a request may need several calls, "
-    "of the same or different tools. Use only tools and arguments from the catalog. "
-    f"If no tool fits, reply {EMPTY}."
-)
+# how each response format is asked for: the reply's shape, and the reply when no tool fits
+_SHAPES = {
+    "json": ("Reply with exactly one JSON object and nothing else, in this format:\n{template}\n"
+             "Add one entry per call", "If no tool fits, reply {empty}."),
+    "hermes": ("Reply with one block per call and nothing else, each in this format:\n{template}\n"
+               "Write one block per call, one after another", "If no tool fits, reply in words: {empty}"),
+}
+
+
+def format_instructions(fmt: ResponseFormat = JSON) -> str:
+    shape, empty = _SHAPES[fmt.name]
+    return (shape.format(template=fmt.template)
+            + ", in the order the calls should run; a request may need several calls, "
+            "of the same or different tools. Use only tools and arguments from the catalog. "
+            + empty.format(empty=fmt.empty))
+
 
 _SPEAKERS = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool result"}
 
@@ -37,23 +46,23 @@ def render_catalog(request: ToolRequest) -> str:
     return "\n".join(json.dumps(fn, ensure_ascii=False, separators=(",", ":")) for fn in request.functions)
 
 
-def system_text(request: ToolRequest) -> str:
-    return f"{INSTRUCTIONS}\n{render_catalog(request)}\n\n{FORMAT}"
+def system_text(request: ToolRequest, fmt: ResponseFormat = JSON) -> str:
+    return f"{INSTRUCTIONS}\n{render_catalog(request)}\n\n{format_instructions(fmt)}"
 
 
-def render_plain(request: ToolRequest) -> str:
+def render_plain(request: ToolRequest, fmt: ResponseFormat = JSON) -> str:
     turns = "\n".join(f"{_SPEAKERS[m['role']]}: {m['content']}" for m in request.messages)
-    return f"{system_text(request)}\n\n{turns}\n\nResponse:\n"
+    return f"{system_text(request, fmt)}\n\n{turns}\n\nResponse:\n"
 
 
-def chat_messages(request: ToolRequest) -> list[dict]:
+def chat_messages(request: ToolRequest, fmt: ResponseFormat = JSON) -> list[dict]:
     """Messages for a chat template: our instructions as the system turn.
 
     Tool results become user turns and consecutive turns of one role are merged, because
     several templates (Mistral's among them) reject a ``tool`` role without call ids and
     insist on alternating roles.
     """
-    system = system_text(request)
+    system = system_text(request, fmt)
     merged: list[dict] = []
     for m in request.messages:
         role, content = m["role"], m["content"]
@@ -69,28 +78,31 @@ def chat_messages(request: ToolRequest) -> list[dict]:
     return [{"role": "system", "content": system}, *merged]
 
 
-def render_chat(request: ToolRequest, tokenizer: Any, template_kwargs: dict | None = None) -> str:
+def render_chat(request: ToolRequest, tokenizer: Any, template_kwargs: dict | None = None,
+                fmt: ResponseFormat = JSON) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             "prompt_style=chat needs a tokenizer with a chat template; "
             "this one has none (use model.prompt_style=plain)"
         )
-    return tokenizer.apply_chat_template(chat_messages(request), tokenize=False, add_generation_prompt=True,
+    return tokenizer.apply_chat_template(chat_messages(request, fmt), tokenize=False, add_generation_prompt=True,
                                          **(template_kwargs or {}))
 
 
-def render_prompt(request: ToolRequest, style: str, tokenizer: Any = None, template_kwargs: dict | None = None) -> str:
+def render_prompt(request: ToolRequest, style: str, tokenizer: Any = None, template_kwargs: dict | None = None,
+                  fmt: ResponseFormat = JSON) -> str:
     if style == "plain":
-        return render_plain(request)
+        return render_plain(request, fmt)
     if style == "chat":
-        return render_chat(request, tokenizer, template_kwargs)
+        return render_chat(request, tokenizer, template_kwargs, fmt)
     raise ValueError(f"unknown prompt style {style!r}; expected one of {PROMPT_STYLES}")
 
 
-def prompt_ids(request: ToolRequest, style: str, tokenizer: Any, template_kwargs: dict | None = None) -> list[int]:
-    """Prompt token ids. A chat template writes its own BOS text; a plain prompt gets the
-    tokenizer's usual special tokens (e.g. Llama 3's BOS; none for SmolLM2)."""
-    text = render_prompt(request, style, tokenizer, template_kwargs)
+def prompt_ids(request: ToolRequest, style: str, tokenizer: Any, template_kwargs: dict | None = None,
+               fmt: ResponseFormat = JSON) -> list[int]:
+    """Prompt token ids, asking for ``fmt``. A chat template writes its own BOS text; a plain
+    prompt gets the tokenizer's usual special tokens (e.g. Llama 3's BOS; none for SmolLM2)."""
+    text = render_prompt(request, style, tokenizer, template_kwargs, fmt)
     return tokenizer(text, add_special_tokens=style == "plain").input_ids
 
 

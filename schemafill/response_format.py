@@ -1,33 +1,36 @@
-"""The response format, in one place: the canonical text of a tool-call response (DESIGN §2).
+"""The response formats, in one place: how a tool-call response is written (DESIGN §2).
 
-    {"tool_calls": [{"name": "t", "arguments": {"k": v, ...}}, ...]}
+Every format wraps the same call objects, ``{"name": "t", "arguments": {"k": v, ...}}``
+(canonical JSON, ``", "`` and ``": "``), in its own text:
 
-Everything that writes or predicts response text takes its pieces from here: the
-serializer (``toolcall``), the prompt's format instructions (``prompt``), the packer's
-bridges between fields and calls, the headers of SIDE branches and Parallel Fill's
-contexts, the separators of the response grammar (``infer/constraint``), and reading
-the calls back out of a response, finished or not (``call_spans``: the server's answers). Its texts
-tokenize alike wherever they appear because they are the same strings. Pure: standard
-library only.
+* ``json`` — the paper's and the built-in target's: one object holding the list of calls,
+  ``{"tool_calls": [call, call]}``; the response ends with its closing brace.
+* ``hermes`` — what Qwen2.5/Qwen3/Hermes-3 write and vLLM's ``hermes`` parser reads: one
+  ``<tool_call>\\ncall\\n</tool_call>`` block per call, one per line; EOS ends the response.
+
+A format is the header before the first call, the bridge between two calls, the closing
+after the last, and what follows from them: the serializer, the context a SIDE branch (and
+Parallel Fill) writes a value after, reading calls back out of a response, finished or not
+(``call_spans``: the server's answers), and whether the text itself ends the response.
+Everything that writes or predicts response text takes its pieces from a ``ResponseFormat``
+(the parser, packer, stopping rule, prompts, SIDE, ToolSpec's FSM), so MAIN and SIDE texts
+tokenize alike: they are the same strings. Pure: standard library only.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
-KEY = "tool_calls"
+KEY = "tool_calls"  # the json format's list key
 # what `json.dumps` writes by default and what prompts show the target, so MAIN and SIDE
 # texts tokenize the same way
 SEPARATORS = (", ", ": ")
-HEADER = '{"' + KEY + '": ['  # the response up to its first call
 FIELD_BRIDGE = ", "  # between two arguments of a call
-CALL_BRIDGE = ", "  # between two calls
 CALL_CLOSE = "}}"  # a call's arguments, then the call
-CLOSE = "]}"  # the list of calls, then the response
-TEMPLATE = '{"' + KEY + '": [{"name": "<tool name>", "arguments": {"<argument>": <JSON value>, ...}}, ...]}'
-EMPTY = '{"' + KEY + '": []}'
+CALL_EXAMPLE = '{"name": "<tool name>", "arguments": {"<argument>": <JSON value>, ...}}'
 
 
 def dumps(value: Any) -> str:
@@ -35,20 +38,149 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=SEPARATORS)
 
 
-def serialize(calls: list[dict]) -> str:
-    """The response text of ``calls`` (each ``{"name": ..., "arguments": {...}}``)."""
-    return dumps({KEY: calls})
-
-
 def call_header(tool: str) -> str:
     """A call of ``tool`` up to its first argument's key."""
     return '{"name": ' + dumps(tool) + ', "arguments": {'
 
 
-def field_prefix(tool: str, key: str) -> str:
-    """The response text a first call of ``tool`` has up to ``key``'s colon: the context a
-    SIDE branch (and Parallel Fill) writes the key's value after."""
-    return HEADER + call_header(tool) + dumps(key) + ":"
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How one family of targets writes its calls around the canonical call objects."""
+
+    name: str
+    header: str  # the response up to its first call's "{"
+    call_bridge: str  # from a call's closing "}" to the next call's "{"
+    close: str  # after the last call's "}"
+    self_closing: bool  # the text after ``close`` ends the response; else the target's EOS does
+    empty: str  # the reply when no tool fits
+    template: str  # the format as prompts show it
+    # tagged formats: the literal tags around each call (None: the calls sit in one JSON list)
+    open_tag: str | None = None
+    close_tag: str | None = None
+
+    @property
+    def marker(self) -> str:
+        """The text a tool-call response starts with (``is_calls``)."""
+        return self.open_tag if self.open_tag is not None else self.header
+
+    def serialize(self, calls: list[dict]) -> str:
+        """The response text of ``calls`` (each ``{"name": ..., "arguments": {...}}``)."""
+        if not calls and self.open_tag is not None:
+            return self.empty
+        return self.header + self.call_bridge.join(dumps(c) for c in calls) + self.close
+
+    def field_prefix(self, tool: str, key: str) -> str:
+        """The response text a first call of ``tool`` has up to ``key``'s colon: the context a
+        SIDE branch (and Parallel Fill) writes the key's value after."""
+        return self.header + call_header(tool) + dumps(key) + ":"
+
+    def is_calls(self, text: str) -> bool | None:
+        """True when ``text`` is a tool-call response, False when it is not, None while it is
+        still a prefix of the marker and could become either (tagged formats: after any
+        whitespace, as their parsers read them)."""
+        if self.open_tag is not None:
+            text = text.lstrip(_WS)
+        if text.startswith(self.marker):
+            return True
+        return None if self.marker.startswith(text) else False
+
+    def complete(self, text: str, stop: str) -> bool:
+        """Whether a decode that stopped for ``stop`` (closed | eos | length) wrote a whole
+        response: its closing text, or (formats that EOS ends) an EOS after whole calls."""
+        if self.self_closing:
+            return stop == "closed"
+        return stop == "eos" and self.parse(text.strip()) is not None
+
+    def parse(self, text: str) -> list | None:
+        """The call objects of a complete response (unvalidated), [] for a reply without calls
+        in a tagged format, or None when the text is not one well-formed response."""
+        if self.open_tag is None:
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                return None
+            return obj[KEY] if isinstance(obj, dict) and isinstance(obj.get(KEY), list) else None
+        if self.open_tag not in text:
+            return []  # a reply in words
+        blocks = _tag_blocks(self.open_tag, self.close_tag)
+        if blocks.sub("", text).strip():  # text around or between the blocks, or an unclosed block
+            return None
+        try:
+            return [json.loads(body) for body in blocks.findall(text)]
+        except ValueError:
+            return None
+
+    def call_spans(self, text: str) -> list["CallSpan"]:
+        """The calls a tool-call response holds so far, their arguments as raw text.
+
+        Works on every prefix of a response, and only grows with it: a call appears once its
+        object opens, its name once the name string closes (the first ``name`` wins, as the
+        first ``arguments`` does), its arguments text extends with every character of the value
+        written so far. So a stream of these views and the view of the finished response agree;
+        reading stops quietly where the text stops being a response."""
+        calls: list[CallSpan] = []
+        if self.open_tag is None:
+            if not text.startswith(self.header):
+                return calls
+            i = len(self.header)
+            while True:
+                i = _skip_ws(text, i)
+                if i < len(text) and text[i] == ",":
+                    i += 1
+                    continue
+                if i >= len(text) or text[i] != "{":
+                    return calls
+                i = _read_call(text, i, calls)
+                if i is None:
+                    return calls
+        i = 0
+        while True:
+            i = _skip_ws(text, i)
+            if not text.startswith(self.open_tag, i):
+                return calls
+            i = _skip_ws(text, i + len(self.open_tag))
+            if i >= len(text) or text[i] != "{":
+                return calls
+            i = _read_call(text, i, calls)
+            if i is None:
+                return calls
+            i = _skip_ws(text, i)
+            if not text.startswith(self.close_tag, i):
+                return calls
+            i += len(self.close_tag)
+
+
+JSON = ResponseFormat(
+    name="json",
+    header='{"' + KEY + '": [',
+    call_bridge=", ",
+    close="]}",
+    self_closing=True,
+    empty='{"' + KEY + '": []}',
+    template='{"' + KEY + '": [' + CALL_EXAMPLE + ', ...]}',
+)
+
+HERMES = ResponseFormat(
+    name="hermes",
+    header="<tool_call>\n",
+    call_bridge="\n</tool_call>\n<tool_call>\n",
+    close="\n</tool_call>",
+    self_closing=False,
+    empty="None of the available tools can do that.",
+    template="<tool_call>\n" + CALL_EXAMPLE + "\n</tool_call>",
+    open_tag="<tool_call>",
+    close_tag="</tool_call>",
+)
+
+FORMATS = {f.name: f for f in (JSON, HERMES)}
+
+
+def get_format(name: str) -> ResponseFormat:
+    """The format called ``name`` (``model.response_format``), naming the known ones if not."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown response format {name!r}; expected one of {sorted(FORMATS)}") from None
 
 
 # ------------------------------------------------------------------------- reading calls back
@@ -62,68 +194,47 @@ class CallSpan:
     closed: bool = False  # the call object's closing brace has been written
 
 
-def is_calls(text: str) -> bool | None:
-    """True when ``text`` is a tool-call response, False when it is not, None while it is still
-    a prefix of the header and could become either."""
-    if text.startswith(HEADER):
-        return True
-    return None if HEADER.startswith(text) else False
+def _tag_blocks(open_tag: str, close_tag: str) -> re.Pattern:
+    return re.compile(re.escape(open_tag) + r"\s*(.*?)\s*" + re.escape(close_tag), re.DOTALL)
 
 
-def call_spans(text: str) -> list[CallSpan]:
-    """The calls a tool-call response holds so far, their arguments as raw text.
-
-    Works on every prefix of a response, and only grows with it: a call appears once its
-    object opens, its name once the name string closes (the first ``name`` wins, as the
-    first ``arguments`` does), its arguments text extends with every character of the value
-    written so far. So a stream of these views and the view of the finished response agree;
-    reading stops quietly where the text stops being a response."""
-    calls: list[CallSpan] = []
-    if not text.startswith(HEADER):
-        return calls
-    i, n = len(HEADER), len(text)
+def _read_call(text: str, i: int, calls: list[CallSpan]) -> int | None:
+    """Read the call object opening at ``text[i]`` into a new span of ``calls``; the index
+    after its closing brace, or None where the text stops (or stops being a call) inside it."""
+    call = CallSpan()
+    calls.append(call)
+    i, n = i + 1, len(text)
     while True:
         i = _skip_ws(text, i)
         if i < n and text[i] == ",":
             i += 1
             continue
-        if i >= n or text[i] != "{":
-            return calls
-        call = CallSpan()
-        calls.append(call)
-        i += 1
-        while True:  # the call's members
-            i = _skip_ws(text, i)
-            if i < n and text[i] == ",":
-                i += 1
-                continue
-            if i < n and text[i] == "}":
-                call.closed = True
-                i += 1
-                break
-            if i >= n or text[i] != '"':
-                return calls
-            key_end = _string_end(text, i)
-            if key_end is None:
-                return calls
-            key = text[i + 1:key_end - 1]
-            i = _skip_ws(text, key_end)
-            if i >= n or text[i] != ":":
-                return calls
-            i = _skip_ws(text, i + 1)
-            if i >= n:
-                return calls
-            end = _value_end(text, i)
-            if key == "arguments" and not call.arguments:
-                call.arguments, call.arguments_done = text[i:end if end is not None else n], end is not None
-            elif key == "name" and call.name is None and end is not None and text[i] == '"':
-                try:
-                    call.name = json.loads(text[i:end])
-                except ValueError:
-                    return calls
-            if end is None:
-                return calls
-            i = end
+        if i < n and text[i] == "}":
+            call.closed = True
+            return i + 1
+        if i >= n or text[i] != '"':
+            return None
+        key_end = _string_end(text, i)
+        if key_end is None:
+            return None
+        key = text[i + 1:key_end - 1]
+        i = _skip_ws(text, key_end)
+        if i >= n or text[i] != ":":
+            return None
+        i = _skip_ws(text, i + 1)
+        if i >= n:
+            return None
+        end = _value_end(text, i)
+        if key == "arguments" and not call.arguments:
+            call.arguments, call.arguments_done = text[i:end if end is not None else n], end is not None
+        elif key == "name" and call.name is None and end is not None and text[i] == '"':
+            try:
+                call.name = json.loads(text[i:end])
+            except ValueError:
+                return None
+        if end is None:
+            return None
+        i = end
 
 
 _WS = " \t\n\r"

@@ -1,5 +1,5 @@
 """The stopping rule every decoder shares (DESIGN §2): stop after the token that closes
-the outer JSON object, at EOS, or at the length cap.
+the outer JSON object (a self-closing response format's end), at EOS, or at the length cap.
 
 Speculative decoders commit several tokens per round; ``push`` says how many of them to
 keep, so every method stops at exactly the token AR stops at — a requirement of the
@@ -11,20 +11,22 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from schemafill.parser import ToolCallParser
+from schemafill.response_format import JSON, ResponseFormat
 
 
 class ResponseStop:
     """Tracks one response's tokens and text; knows when the response is finished."""
 
     def __init__(self, tokenizer: Any, eos_ids: set[int] | frozenset[int], max_new_tokens: int,
-                 on_push: Callable[[list[int]], None] | None = None) -> None:
+                 on_push: Callable[[list[int]], None] | None = None, fmt: ResponseFormat = JSON) -> None:
         self.tokenizer = tokenizer
+        self.fmt = fmt
         self.on_push = on_push  # told the response so far after every push that took tokens (streaming)
         self.eos_ids = frozenset(eos_ids)
         self.max_new_tokens = max_new_tokens
         self.ids: list[int] = []
         self.reason: str | None = None  # closed | eos | length
-        self._parser = ToolCallParser()
+        self._parser = ToolCallParser(fmt)
         self._fed = ""
 
     @property
@@ -65,7 +67,7 @@ class ResponseStop:
     def _check(self) -> None:
         """After a non-EOS token: set ``reason`` if the text now ends the response."""
         self._feed_text()
-        if self._parser.state.closed:
+        if self.fmt.self_closing and self._parser.state.closed:
             self.reason = "closed"
 
     def _feed_text(self) -> None:
@@ -73,7 +75,7 @@ class ResponseStop:
         if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
             return
         if not text.startswith(self._fed):  # detokenization revised earlier text: parse afresh
-            self._parser, self._fed = ToolCallParser(), ""
+            self._parser, self._fed = ToolCallParser(self.fmt), ""
         self._parser.feed(text[len(self._fed):])
         self._fed = text
 

@@ -9,12 +9,11 @@ in ``parser``.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemafill.response_format import KEY, serialize
+from schemafill.response_format import JSON, KEY, ResponseFormat
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -184,21 +183,18 @@ def normalize_schema(schema: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- responses
-def serialize_calls(calls: list[ToolCall]) -> str:
-    """The canonical response text for ``calls`` (``response_format``)."""
-    return serialize([c.to_dict() for c in calls])
+def serialize_calls(calls: list[ToolCall], fmt: ResponseFormat = JSON) -> str:
+    """The canonical response text for ``calls`` in ``fmt``."""
+    return fmt.serialize([c.to_dict() for c in calls])
 
 
-def parse_response(text: str) -> list[ToolCall] | None:
-    """The calls of a complete response, or None when it is not one valid response object."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get(KEY), list):
+def parse_response(text: str, fmt: ResponseFormat = JSON) -> list[ToolCall] | None:
+    """The calls of a complete response in ``fmt``, or None when it is not one valid response."""
+    calls = fmt.parse(text)
+    if calls is None:
         return None
     try:
-        return _validate_calls(obj[KEY], KEY)
+        return _validate_calls(calls, KEY)
     except InvalidRequest:
         return None
 

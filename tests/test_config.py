@@ -132,6 +132,15 @@ def test_bad_decode_values_are_named():
         to_dataclass(compose(["decode.ablation=E", "logger=none"]))
 
 
+def test_the_response_format_is_named_and_the_grammar_needs_json():
+    assert to_dataclass(compose([])).model.response_format == "json"
+    assert to_dataclass(compose(["model.response_format=hermes"])).model.response_format == "hermes"
+    with pytest.raises(Exception, match=r"model.response_format must be one of \['hermes', 'json'\], got 'xml'"):
+        to_dataclass(compose(["model.response_format=xml"]))
+    with pytest.raises(Exception, match="decode.constrain=schema compiles the json format's grammar"):
+        to_dataclass(compose(["model.response_format=hermes", "decode.constrain=schema"]))
+
+
 @pytest.mark.parametrize("option", options("experiment"))
 def test_every_experiment_composes_over_the_defaults_and_yields_to_the_command_line(option):
     cfg = to_dataclass(compose([f"experiment={option}"]))

@@ -54,6 +54,7 @@ def test_eval_stage_writes_metrics_report_and_plots(tmp_path, tiny_target, tiny_
     for title in ("Table 1", "Table 2", "Table 4", "Table 5", "Table 6", "Table 7"):
         assert title in text
     assert "toolspec, suffix learn from earlier outputs" in text  # the report says what they learn from
+    assert "except where our response format and runtime force a change" in text  # and where ToolSpec differs
     assert "Node selection: cost-aware" in text and "c(1) = " in text  # the measured curve, in the report
     assert m["schemafill"]["selection"]["cost_model"]["sizes"][0] == 1
     compared = json.loads((out / "constrained.json").read_text())["bfcl450"]  # Table 7: free vs schema

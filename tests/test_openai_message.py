@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from infer.openai_message import MessageStream, assemble, finish_reason, message
-from schemafill.response_format import call_spans, is_calls, serialize
+from schemafill.response_format import HERMES, JSON
+
+call_spans, is_calls, serialize = JSON.call_spans, JSON.is_calls, JSON.serialize
 
 CALLS = [{"name": "get_weather", "arguments": {"city": "Paris, \"FR\"", "days": 3}},
          {"name": "book", "arguments": {"when": {"day": "mon", "slots": [1, 2]}, "ok": True, "note": "é ✓ }"}}]
@@ -62,6 +64,25 @@ def test_message_and_finish_reason():
     assert finish_reason(message('{"tool_calls": []}', ids), "closed") == "stop"
 
 
+def test_hermes_blocks_read_as_tool_calls():
+    text = HERMES.serialize(CALLS)
+    assert text.startswith("<tool_call>\n{") and text.count("</tool_call>") == 2
+    msg = message(text, ids, fmt=HERMES)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "book"]
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [c["arguments"] for c in CALLS]
+    # EOS ends a hermes response: whole blocks then EOS are calls to run, an EOS inside a block is not
+    assert finish_reason(msg, "eos", text, HERMES) == "tool_calls"
+    assert finish_reason(msg, "closed", text, HERMES) == "stop"  # never a reason of this format's decodes
+    cut = text[:-5]
+    assert finish_reason(message(cut, ids, fmt=HERMES), "eos", cut, HERMES) == "stop"
+    words = "None of the available tools can do that."
+    assert message(words, ids, fmt=HERMES) == {"role": "assistant", "content": words}
+    assert HERMES.is_calls("<tool") is None and HERMES.is_calls("<tool_call>") is True
+    assert HERMES.is_calls('{"tool_calls": [') is False  # the json format's header is content here
+    for cuts in chunkings(text, random.Random(1), 20):
+        assert streamed(text, cuts, fmt=HERMES) == msg
+
+
 def test_stream_sends_the_name_first_then_argument_fragments():
     s = MessageStream(ids)
     assert s.feed('{"tool_calls": [{"na') == []
@@ -91,8 +112,8 @@ def chunkings(text: str, rng: random.Random, n: int) -> list[list[int]]:
     return cuts
 
 
-def streamed(text: str, cuts: list[int], parse_calls: bool = True) -> dict:
-    s = MessageStream(ids, parse_calls)
+def streamed(text: str, cuts: list[int], parse_calls: bool = True, fmt=JSON) -> dict:
+    s = MessageStream(ids, parse_calls, fmt)
     deltas = []
     for c in cuts:
         deltas += s.feed(text[:c], final=c == len(text))
@@ -118,18 +139,19 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(m
                            max_leaves=8)
 
 
+@pytest.mark.parametrize("fmt", [JSON, HERMES], ids=lambda f: f.name)
 @settings(max_examples=150, deadline=None)
 @given(calls=st.lists(st.fixed_dictionaries({"name": st.text(min_size=1, max_size=8),
                                              "arguments": st.dictionaries(st.text(max_size=5), json_values, max_size=3)}),
                       max_size=3),
        cut=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
-def test_streams_of_random_responses_and_their_truncations(calls, cut, seed):
-    text = serialize(calls)
+def test_streams_of_random_responses_and_their_truncations(fmt, calls, cut, seed):
+    text = fmt.serialize(calls)
     text = text[: int(len(text) * cut)] or text  # a response the length cap cut anywhere
-    whole = message(text, ids)
+    whole = message(text, ids, fmt=fmt)
     for cuts in chunkings(text, random.Random(seed), 5):
-        assert streamed(text, cuts) == whole
-    if text == serialize(calls):
+        assert streamed(text, cuts, fmt=fmt) == whole
+    if text == fmt.serialize(calls) and calls:
         got = whole.get("tool_calls", [])
         assert [c["function"]["name"] for c in got] == [c["name"] for c in calls]
         assert [json.loads(c["function"]["arguments"]) for c in got] == [c["arguments"] for c in calls]

@@ -11,7 +11,9 @@ from infer.decoders.parallel_fill import ParallelFill, ValueStop
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.parser import response_layout
 from schemafill.prompt import prompt_ids
-from schemafill.response_format import HEADER, call_header, dumps
+from schemafill.response_format import JSON, call_header, dumps
+
+HEADER = JSON.header
 from schemafill.runtime import load_target
 from tests.test_schemafill import request
 

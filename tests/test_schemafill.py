@@ -1,5 +1,6 @@
 """SchemaFill is lossless: its tokens equal greedy AR's whatever the forecast, the head, the
-prepared values or the catalog; and with the right values it needs fewer target calls."""
+prepared values, the catalog or the response format; and with the right values it needs fewer
+target calls."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
 from schemafill.drafter import Eagle3Head, HeadConfig
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
+from schemafill.response_format import HERMES, JSON
 from schemafill.runtime import load_target, rope_tables
 from schemafill.toolcall import ToolRequest, parse_response
 
@@ -59,33 +61,33 @@ def random_head(target, seed=0):
     return head
 
 
-def oracle_values(text: str) -> dict[tuple[int, str], str]:
+def oracle_values(text: str, fmt=JSON) -> dict[tuple[int, str], str]:
     """Value literals of AR's own response, where it parses."""
-    calls = parse_response(text.strip()) or []
+    calls = parse_response(text.strip(), fmt) or []
     from schemafill.response_format import dumps
     return {(j, k): dumps(v) for j, c in enumerate(calls) for k, v in c.arguments.items()}
 
 
-def check(target, tok, eos, names, ablations, max_new=40, oracle=False, budget=None, **limits):
+def check(target, tok, eos, names, ablations, max_new=40, oracle=False, budget=None, fmt=JSON, **limits):
     head = random_head(target)
     for name in names:
         req = request(name)
-        ids = prompt_ids(req, "plain", tok)
-        ar = decode_ar(target, tok, ids, max_new, eos)
+        ids = prompt_ids(req, "plain", tok, fmt=fmt)
+        ar = decode_ar(target, tok, ids, max_new, eos, fmt=fmt)
         groups = CASES[name][2]
-        calls = parse_response(ar.text.strip()) if oracle else None
+        calls = parse_response(ar.text.strip(), fmt) if oracle else None
         if calls:  # the right forecast too: AR's own tools, in its order
             catalog = [fn["name"] for fn in req.functions]
             groups = [catalog.index(c.name) for c in calls if c.name in catalog] or groups
         for ab in ablations:
             sf = SchemaFill(target, tok, head, eos, max_new, SchemaFillConfig(budget=SCHEMAFILL_BUDGET, ablation=ab,
-                                                                                   **limits), budget)
-            out = sf.decode(req, ids, groups=groups, values=oracle_values(ar.text) if oracle else None)
+                                                                                   **limits), budget, fmt)
+            out = sf.decode(req, ids, groups=groups, values=oracle_values(ar.text, fmt) if oracle else None)
             assert out.ids == ar.ids, (name, ab, ar.text, out.text)
             assert out.stop == ar.stop
             if ab == "A" and budget is None:  # EAGLE-3 inside SchemaFill's loop is EAGLE-3 (the eval reuses eagle3's row)
                 tree = decode_tree(target, tok, ids, max_new, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
-                                   scratch=SCHEMAFILL_BUDGET.total)
+                                   scratch=SCHEMAFILL_BUDGET.total, fmt=fmt)
                 assert (tree.target_calls, tree.nodes) == (out.target_calls, out.nodes)
         yield name, ar, out
 
@@ -137,6 +139,22 @@ def test_builtin_model_with_prepared_values_is_lossless_and_fewer_calls(base_tar
     assert max(saved) >= 15  # the right forecast and values, packed across fields and calls (measured: 20 of 48)
 
 
+def test_hermes_format_is_lossless_and_packs_its_blocks(tiny_target, base_target):
+    """In the hermes format: a random model (never a block), and the built-in model, which
+    writes ``<tool_call>`` blocks from the hermes prompt, so the packer's hermes bridges and
+    the SIDE branches' hermes contexts are proposed, taken and refused."""
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    for _ in check(target, tok, frozenset({tok.eos_token_id}), ["bm25", "repeated"], "BD", max_new=24, fmt=HERMES):
+        pass
+    target, tok, eos = base_target
+    saved = 0
+    for name, ar, out in check(target, tok, eos, ["wrong_order", "one_tool"], "CD", max_new=48, fmt=HERMES):
+        assert "<tool_call>" in ar.text  # the base model answers in blocks here
+        saved += ar.target_calls - out.target_calls
+    assert saved >= 30  # block headers, names and keys come packed (measured: 66 calls over 4 decodes of 48 tokens)
+
+
 @pytest.mark.slow
 def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
     target, tok, eos = base_target
@@ -146,7 +164,9 @@ def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
 
 def test_sibling_branches_share_one_trunk(smol_tokenizer):
     from infer.side import Branch, SideContexts, ordinal_hint
-    from schemafill.response_format import HEADER, call_header, dumps
+    from schemafill.response_format import JSON, call_header, dumps
+
+    HEADER = JSON.header
 
     tok = smol_tokenizer
     contexts = SideContexts(tok, prompt_len=5, base=100, size=200)
@@ -235,8 +255,8 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
 
 
 @pytest.mark.slow  # 70-115 s on 2 AVX2 cores: `make test-full`
-def test_builtin_model_recycled_copies_are_lossless_and_save_calls(base_target):
-    """Values copied from the request: MAIN's recycled chains cut target calls, output unchanged."""
+def test_builtin_model_prompt_lookup_copies_are_lossless_and_save_calls(base_target):
+    """Values copied from the request: MAIN's prompt-lookup chains cut target calls, output unchanged."""
     target, tok, eos = base_target
     names = ["one_tool", "repeated"]
     calls = {n: [out.target_calls for _, _, out in check(target, tok, eos, names, "B", max_new=48, copy_len=n)]

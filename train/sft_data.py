@@ -16,6 +16,7 @@ from schemafill.compose import compositions
 from schemafill.config import ModelConfig, TargetTrainConfig
 from schemafill.parser import closing_offsets
 from schemafill.prompt import prompt_ids, response_ids
+from schemafill.response_format import get_format
 from schemafill.toolcall import ToolRequest, serialize_calls
 
 
@@ -43,15 +44,18 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
     if train.max_catalog > 0:  # a composition joins its parts' catalogs: trim the union too
         composed = [trim_catalog(r, train.max_catalog, rng) for r in composed]
     examples, too_long = [], 0
+    fmt = get_format(model.response_format)
+    # a format whose text does not end the response is ended by EOS: the target must learn to write it
+    end = [] if fmt.self_closing else [tokenizer.eos_token_id]
     for req in referenced + composed:
-        ids = prompt_ids(req, model.prompt_style, tokenizer, model.chat_template_kwargs)
-        text = serialize_calls(req.reference)
+        ids = prompt_ids(req, model.prompt_style, tokenizer, model.chat_template_kwargs, fmt)
+        text = serialize_calls(req.reference, fmt)
         resp = response_ids(text, tokenizer)
-        if len(ids) + len(resp) > train.max_seq_len:
+        if len(ids) + len(resp) + len(end) > train.max_seq_len:
             too_long += 1  # never truncated: a cut response would teach a broken format
             continue
         decisions = decision_tokens(text, resp, tokenizer) if train.decision_weight != 1.0 else ()
-        examples.append(Example(req.id, ids + resp, len(ids), len(req.reference), req.source == "composed",
+        examples.append(Example(req.id, ids + resp + end, len(ids), len(req.reference), req.source == "composed",
                                 tuple(len(ids) + i for i in decisions)))
     # Most corpus requests need one call; BFCL450 needs 2-4 (3.1 on average). Left as is, the
     # model learns one call as its prior (measured: 1.1 calls per response against 3.1), so

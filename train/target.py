@@ -35,6 +35,7 @@ from schemafill.generate import generate, prefix_order
 from schemafill.models import load_config, load_model, load_tokenizer, target_dir
 from schemafill.prompt import prompt_ids
 from schemafill.records import read_requests
+from schemafill.response_format import get_format
 from schemafill.runtime import from_hf_model
 from schemafill.stopping import eos_token_ids
 from schemafill.toolcall import ToolRequest
@@ -102,8 +103,9 @@ def stratified(requests: list[ToolRequest], n: int, seed: int) -> list[ToolReque
 def measure_quality(model: Any, tokenizer: Any, requests: list[ToolRequest], cfg: PipelineConfig) -> tuple[dict, list]:
     """Greedy-decode ``requests`` and score the responses; requests over the context are rejected."""
     kept, prompts, rejected = [], [], []
+    fmt = get_format(cfg.model.response_format)
     for r in requests:
-        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs)
+        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs, fmt)
         if len(ids) + cfg.decode.max_new_tokens > cfg.model.max_context:
             rejected.append({"id": r.id, "reason": f"prompt of {len(ids)} tokens + cap does not fit the context"})
             continue
@@ -114,12 +116,13 @@ def measure_quality(model: Any, tokenizer: Any, requests: list[ToolRequest], cfg
     order = prefix_order(prompts)
     ordered = generate(from_hf_model(model, cfg.model.aux_layer_ids), tokenizer, [prompts[i] for i in order],
                        cfg.decode.max_new_tokens, cfg.train.target.quality_batch_size,
-                       eos=eos_token_ids(tokenizer, model.generation_config), on_done=lambda *_: bar.update(1))
+                       eos=eos_token_ids(tokenizer, model.generation_config), on_done=lambda *_: bar.update(1),
+                       fmt=fmt)
     gens = [None] * len(prompts)
     for i, g in zip(order, ordered):
         gens[i] = g
     bar.close()
-    q = quality(kept, [g.text for g in gens])
+    q = quality(kept, [g.text for g in gens], fmt)
     q.update({
         "mean_prompt_tokens": sum(map(len, prompts)) / max(len(prompts), 1),
         "mean_response_tokens": sum(len(g.ids) for g in gens) / max(len(gens), 1),

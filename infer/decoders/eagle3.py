@@ -16,6 +16,7 @@ from infer.head_drafter import EAGLE_DEFAULTS, HeadDrafter, TreeBudget
 from infer.node_budget import NodeBudget
 from infer.sampling import Sampler
 from infer.session import MainSession
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
@@ -39,10 +40,10 @@ def candidates_of(drafter: Drafter, tokens: list[int], new_aux: torch.Tensor) ->
 def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
                 drafter: Drafter, scratch: int = 64, sampler: Sampler | None = None,
                 constraint: Constraint | None = None, budget: NodeBudget | None = None,
-                on_commit: Callable[[list[int]], None] | None = None) -> Decoded:
+                on_commit: Callable[[list[int]], None] | None = None, fmt: ResponseFormat = JSON) -> Decoded:
     """Draft, keep what ``budget`` finds worth its cost (everything without one), verify."""
     budget = budget or NodeBudget()
-    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens, on_commit), scratch=scratch,
+    s = MainSession(target, prompt, ResponseStop(tokenizer, eos, max_new_tokens, on_commit, fmt), scratch=scratch,
                     sampler=sampler, constraint=constraint)
     drafter.start(s.layout.positions)
     s.prefill()
@@ -64,15 +65,18 @@ class Eagle3:
     max_new_tokens: int
     drafter: HeadDrafter
     budget: NodeBudget
+    fmt: ResponseFormat = JSON
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         return decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos,
                            self.drafter, scratch=self.drafter.budget.total, sampler=options.sampler,
-                           constraint=options.constraint, budget=self.budget, on_commit=options.on_commit)
+                           constraint=options.constraint, budget=self.budget, on_commit=options.on_commit,
+                           fmt=self.fmt)
 
 
 def build(ctx: DecoderContext, method: str) -> Eagle3:
     """``eagle3`` at the decode budget; ``eagle3_wide`` at EAGLE's published defaults."""
     d = ctx.decode
     budget = TreeBudget.of(d) if method == "eagle3" else EAGLE_DEFAULTS
-    return Eagle3(ctx.target, ctx.tokenizer, ctx.eos, d.max_new_tokens, HeadDrafter(ctx.head, budget), ctx.budget())
+    return Eagle3(ctx.target, ctx.tokenizer, ctx.eos, d.max_new_tokens, HeadDrafter(ctx.head, budget), ctx.budget(),
+                  ctx.fmt)

@@ -17,6 +17,7 @@ from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.lookup import ngram_lookup
 from infer.node_budget import NodeBudget
 from schemafill.config import NgramConfig
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
 
@@ -42,12 +43,14 @@ class Ngram:
     max_new_tokens: int
     cfg: NgramConfig
     budget: NodeBudget = field(default_factory=NodeBudget)
+    fmt: ResponseFormat = JSON
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         return decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos,
                            NgramDrafter(self.cfg), scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
-                           constraint=options.constraint, budget=self.budget, on_commit=options.on_commit)
+                           constraint=options.constraint, budget=self.budget, on_commit=options.on_commit,
+                           fmt=self.fmt)
 
 
 def build(ctx: DecoderContext, method: str) -> Ngram:
-    return Ngram(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.ngram, ctx.budget())
+    return Ngram(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.ngram, ctx.budget(), ctx.fmt)

@@ -20,7 +20,7 @@ from infer.session import MainSession
 from infer.side import ordinal_hint
 from schemafill.generate import generate
 from schemafill.parser import parse_prefix, response_layout
-from schemafill.response_format import field_prefix
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolRequest
@@ -29,8 +29,9 @@ from schemafill.toolcall import ToolRequest
 class ValueStop(ResponseStop):
     """Stopping rule for one value: its literal closed, EOS, a parse error, or the cap."""
 
-    def __init__(self, tokenizer: Any, eos: frozenset[int], header: str, key: str, max_tokens: int) -> None:
-        super().__init__(tokenizer, eos, max_tokens)
+    def __init__(self, tokenizer: Any, eos: frozenset[int], header: str, key: str, max_tokens: int,
+                 fmt: ResponseFormat = JSON) -> None:
+        super().__init__(tokenizer, eos, max_tokens, fmt=fmt)
         self.header, self.key = header, key
         self.literal: str | None = None  # reason: closed | eos | error | length
 
@@ -38,7 +39,7 @@ class ValueStop(ResponseStop):
         text = self.header + self.text
         if text.endswith("\ufffd"):  # a multi-byte character is still split
             return
-        state = parse_prefix(text)
+        state = parse_prefix(text, self.fmt)
         self.literal = next((text[a:e] for k, a, e in state.spans if k == self.key), None)
         if self.literal is not None:
             self.reason = "closed"
@@ -47,7 +48,7 @@ class ValueStop(ResponseStop):
 
 
 def build(ctx: DecoderContext, method: str) -> "ParallelFill":
-    return ParallelFill(ctx.target, ctx.tokenizer, ctx.eos, skeletons=ctx.skeletons)
+    return ParallelFill(ctx.target, ctx.tokenizer, ctx.eos, skeletons=ctx.skeletons, fmt=ctx.fmt)
 
 
 class ParallelFill:
@@ -55,8 +56,8 @@ class ParallelFill:
     by the time the request is decoded (``infer/run.py`` runs AR first)."""
 
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_value_tokens: int = 48,
-                 batch_size: int = 32, skeletons: Mapping[str, dict] | None = None) -> None:
-        self.target, self.tokenizer, self.eos = target, tokenizer, eos
+                 batch_size: int = 32, skeletons: Mapping[str, dict] | None = None, fmt: ResponseFormat = JSON) -> None:
+        self.target, self.tokenizer, self.eos, self.fmt = target, tokenizer, eos, fmt
         self.max_value_tokens, self.batch_size = max_value_tokens, batch_size
         self.skeletons = skeletons if skeletons is not None else {}
 
@@ -70,21 +71,22 @@ class ParallelFill:
     def fill(self, prompt: list[int], skeleton_text: str, skeleton_ids: list[int]) -> Decoded:
         """Fill AR's response (``skeleton_text``, tokens ``skeleton_ids``) value by value."""
         tok = self.tokenizer
-        slots = [(j, call.name, key, a, e) for j, call in enumerate(response_layout(skeleton_text))
+        slots = [(j, call.name, key, a, e) for j, call in enumerate(response_layout(skeleton_text, self.fmt))
                  if call.name is not None for key, a, e in call.spans]
-        headers = [field_prefix(name, key) for _, name, key, _, _ in slots]
-        stops = [ValueStop(tok, self.eos, h, key, self.max_value_tokens) for h, (_, _, key, _, _) in zip(headers, slots)]
+        headers = [self.fmt.field_prefix(name, key) for _, name, key, _, _ in slots]
+        stops = [ValueStop(tok, self.eos, h, key, self.max_value_tokens, self.fmt)
+                 for h, (_, _, key, _, _) in zip(headers, slots)]
         prompts = [prompt + tok(ordinal_hint(j) + h, add_special_tokens=False).input_ids
                    for h, (j, _, _, _, _) in zip(headers, slots)]
         if prompts:  # the first admission prefills the prompt; the rest reuse it
             generate(self.target, tok, prompts, self.max_value_tokens, self.batch_size, self.eos,
                      make_stop=lambda i: stops[i])
         else:
-            MainSession(self.target, prompt, ResponseStop(tok, self.eos, 1), scratch=0).prefill()
+            MainSession(self.target, prompt, ResponseStop(tok, self.eos, 1, fmt=self.fmt), scratch=0).prefill()
 
         text = skeleton_text
         for (_, _, _, a, e), stop in sorted(zip(slots, stops), key=lambda x: -x[0][3]):
             text = text[:a] + (stop.literal if stop.literal is not None else stop.text) + text[e:]
         ids = list(skeleton_ids) if text == skeleton_text else tok(text, add_special_tokens=False).input_ids
-        return Decoded(ids=ids, text=text, stop="closed" if parse_prefix(text).closed else "rebuilt",
+        return Decoded(ids=ids, text=text, stop="closed" if parse_prefix(text, self.fmt).closed else "rebuilt",
                        target_calls=0)

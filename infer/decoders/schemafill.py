@@ -72,7 +72,7 @@ from infer.session import MainSession, Segment, Verified
 from infer.side import SideBranches, SideContexts
 from infer.tree import ROOT, chain, merge
 from schemafill.config import ABLATIONS
-from schemafill.response_format import HEADER, call_header, field_prefix
+from schemafill.response_format import JSON, ResponseFormat, call_header
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
 
@@ -127,15 +127,15 @@ def build(ctx: DecoderContext, method: str) -> "SchemaFill":
                                        forecast_budget=d.forecast_budget, ablation=ablation, side_depth=d.side_depth,
                                        pack_provisional=d.pack_provisional, side_optional=d.side_optional,
                                        copy_len=d.copy_len),
-                      ctx.budget())
+                      ctx.budget(), ctx.fmt)
 
 
 class SchemaFill:
     """One decoder instance per (target, head, tokenizer); ``decode`` per request."""
 
     def __init__(self, target: Target, tokenizer: Any, head: Any, eos: frozenset[int], max_new_tokens: int,
-                 cfg: SchemaFillConfig, budget: NodeBudget | None = None) -> None:
-        self.target, self.tokenizer, self.eos, self.cfg = target, tokenizer, eos, cfg
+                 cfg: SchemaFillConfig, budget: NodeBudget | None = None, fmt: ResponseFormat = JSON) -> None:
+        self.target, self.tokenizer, self.eos, self.cfg, self.fmt = target, tokenizer, eos, cfg, fmt
         self.max_new_tokens = max_new_tokens
         self.drafter = HeadDrafter(head, cfg.budget)
         self.budget = budget or NodeBudget()
@@ -153,15 +153,16 @@ class SchemaFill:
         phases = Phases("forecast", "drafting", "verification", "other", "initialisation")
         with phases("forecast"):
             plans = self._forecast(request, groups, values)
-        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens),
+        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens,
+                                                                   self.fmt),
                         scratch=cfg.budget.total + cfg.max_chain + 2 * cfg.copy_len,
                         side_capacity=cfg.side_capacity, sampler=options.sampler, constraint=options.constraint)
         self.drafter.start(s.layout.positions, s.layout.capacity)
         # before stage C there are no branches: the SIDE steps below do nothing
         side = SideBranches(self.tokenizer, self.eos, SideContexts(self.tokenizer, len(prompt), s.layout.side_base,
-                                                                   s.layout.side_capacity),
+                                                                   s.layout.side_capacity, self.fmt),
                             cfg.max_branches if cfg.sides else 0, cfg.max_value_tokens, cfg.side_optional,
-                            cfg.side_depth)
+                            cfg.side_depth, self.fmt)
         functions = {fn["name"]: fn for fn in request.functions}
 
         # ---- initialisation: prompt + MAIN candidates + first SIDE prefixes, one call
@@ -268,7 +269,7 @@ class SchemaFill:
         up to its first value, merged into one tree (the greedy path picks among them)."""
         candidates = []
         for plan in {p.tool: p for p in plans}.values():
-            text = field_prefix(plan.tool, plan.keys[0]) if plan.keys else HEADER + call_header(plan.tool)
+            text = self.fmt.field_prefix(plan.tool, plan.keys[0]) if plan.keys else self.fmt.header + call_header(plan.tool)
             candidates.append(chain(self.tokenizer(text, add_special_tokens=False).input_ids[: self.cfg.max_chain]))
         return merge(candidates) if candidates else ([], [])
 
@@ -284,7 +285,8 @@ class SchemaFill:
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None
             # a lone trailing space before an unknown value would not be the target's token
-            suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead)
+            suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
+                                           fmt=self.fmt)
             suffix = suffix.rstrip(" ")
             packed = continuation_ids(self.tokenizer, s.response, text, suffix)[: cfg.max_chain]
             if packed:

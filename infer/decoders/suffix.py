@@ -22,6 +22,7 @@ from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.node_budget import NodeBudget
 from infer.suffix_tree import SuffixTree
 from schemafill.config import SuffixConfig
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
 
@@ -59,8 +60,9 @@ class RequestDrafter:
 
 class SuffixDecoding:
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
-                 cfg: SuffixConfig, budget: NodeBudget | None = None) -> None:
+                 cfg: SuffixConfig, budget: NodeBudget | None = None, fmt: ResponseFormat = JSON) -> None:
         self.target, self.tokenizer, self.eos, self.max_new_tokens, self.cfg = target, tokenizer, eos, max_new_tokens, cfg
+        self.fmt = fmt
         self.budget = budget or NodeBudget()
         self.reset()
 
@@ -76,11 +78,12 @@ class SuffixDecoding:
         drafter = RequestDrafter(self.cfg, self.responses, request.id, len(prompt))
         decoded = decode_tree(self.target, self.tokenizer, prompt, options.cap(self.max_new_tokens), self.eos, drafter,
                               scratch=self.cfg.num_speculative_tokens, sampler=options.sampler,
-                              constraint=options.constraint, budget=self.budget, on_commit=options.on_commit)
+                              constraint=options.constraint, budget=self.budget, on_commit=options.on_commit,
+                              fmt=self.fmt)
         drafter.catch_up(list(prompt) + decoded.ids)  # the last verification's tokens too: later requests read them
         return decoded
 
 
 def build(ctx: DecoderContext, method: str) -> SuffixDecoding:
     return SuffixDecoding(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.suffix,
-                          ctx.budget())
+                          ctx.budget(), ctx.fmt)

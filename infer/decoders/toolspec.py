@@ -17,8 +17,9 @@ Each step drafts from one source, in the authors' order:
   top-8 next tokens, which every verified node writes from the target's logits and which
   lives for the launch.
 
-What differs from their code, and why: our one response format replaces their four prefixes
-(``{"name": ``, ``<tool_call>``, ...) and ``"parameters"``; names are tokenized in context
+What differs from their code, and why: the target's response format (json, or hermes'
+``<tool_call>``) replaces their four prefixes (``{"name": ``, ``<tool_call>``, ...) and
+``"parameters"``; names are tokenized in context
 rather than alone; a key's chain stops at ``": `` (our values are typed JSON, theirs strings);
 the retrieval key is the final state at the prompt's last token (their prefill stops one
 token earlier); retrieved chains share prefixes in one tree (same acceptance, fewer nodes);
@@ -45,7 +46,7 @@ from infer.retrieval import RetrievalStore
 from infer.session import MainSession, Verified
 from infer.token_recycling import RecyclingTable, template_tree
 from infer.tree import chain, merge
-from schemafill import response_format as fmt
+from schemafill.response_format import FIELD_BRIDGE, JSON, ResponseFormat, dumps
 from schemafill.config import ToolSpecConfig
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
@@ -56,13 +57,14 @@ ARGUMENTS = '", "arguments": {'  # after a tool's name, up to its first key
 class SchemaFSM:
     """ToolSpec's schema drafts for one request: texts the response may continue along."""
 
-    def __init__(self, request: ToolRequest) -> None:
+    def __init__(self, request: ToolRequest, fmt: ResponseFormat = JSON) -> None:
+        self.fmt = fmt
         self.tools = {fn["name"]: list((fn.get("parameters") or {}).get("properties") or {})
                       for fn in request.functions}
         self.tool: str | None = None  # detected once the response ends with a tool's name
 
     def names(self) -> list[str]:
-        return [fmt.HEADER + '{"name": "' + name for name in self.tools]
+        return [self.fmt.header + '{"name": "' + name for name in self.tools]
 
     def detect(self, text: str) -> None:
         if self.tool is None:
@@ -72,17 +74,17 @@ class SchemaFSM:
         keys = self.tools.get(self.tool) or []
         if not keys:
             return [text + ARGUMENTS + '"']
-        return [text + ARGUMENTS + fmt.dumps(k) + ": " for k in keys]
+        return [text + ARGUMENTS + dumps(k) + ": " for k in keys]
 
     def next_keys(self, text: str, tail: str) -> list[str]:
         """Keys of the detected tool completing what follows a separator in ``tail`` (the last
         tokens' text); [] when none is there."""
-        at = tail.rfind(fmt.FIELD_BRIDGE)
+        at = tail.rfind(FIELD_BRIDGE)
         if at < 0 or self.tool is None:
             return []
-        typed = tail[at + len(fmt.FIELD_BRIDGE):]
-        return [text + (fmt.dumps(k) + ": ")[len(typed):] for k in self.tools[self.tool]
-                if (fmt.dumps(k) + ": ").startswith(typed)]
+        typed = tail[at + len(FIELD_BRIDGE):]
+        return [text + (dumps(k) + ": ")[len(typed):] for k in self.tools[self.tool]
+                if (dumps(k) + ": ").startswith(typed)]
 
 
 def retrieval_candidates(tokens: list[int], retrieved: list[int], cfg: ToolSpecConfig) -> list[list[int]]:
@@ -104,8 +106,9 @@ def retrieval_candidates(tokens: list[int], retrieved: list[int], cfg: ToolSpecC
 
 class ToolSpec:
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
-                 cfg: ToolSpecConfig, budget: NodeBudget | None = None) -> None:
+                 cfg: ToolSpecConfig, budget: NodeBudget | None = None, fmt: ResponseFormat = JSON) -> None:
         self.target, self.tokenizer, self.eos, self.max_new_tokens, self.cfg = target, tokenizer, eos, max_new_tokens, cfg
+        self.fmt = fmt
         self.budget = budget or NodeBudget()
         self.template = template_tree()
         if cfg.recycling_topk <= max(self.template[1]):
@@ -120,11 +123,12 @@ class ToolSpec:
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         phases = Phases("drafting", "verification")
-        fsm = SchemaFSM(request)
+        fsm = SchemaFSM(request, self.fmt)
         with phases("drafting"):
             first = self._along([], "", fsm.names())
         scratch = max(len(self.template[0]), sum(self.cfg.candidates), len(first[0]), self._keys_bound(fsm))
-        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens),
+        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens,
+                                                                   self.fmt),
                         scratch=scratch, sampler=options.sampler, constraint=options.constraint)
         with phases("verification"):
             self._learn(s.prefill(*first))
@@ -177,7 +181,7 @@ class ToolSpec:
         merges across the boundary)."""
         def size(texts: list[str]) -> int:
             return sum(len(self.tokenizer(t, add_special_tokens=False).input_ids) + 1 for t in texts)
-        return max([size([ARGUMENTS + fmt.dumps(k) + ": " for k in keys]) for keys in fsm.tools.values()] + [0])
+        return max([size([ARGUMENTS + dumps(k) + ": " for k in keys]) for keys in fsm.tools.values()] + [0])
 
     def _learn(self, v: Verified) -> None:
         if v.main_logits is not None and v.main_tokens:
@@ -185,4 +189,5 @@ class ToolSpec:
 
 
 def build(ctx: DecoderContext, method: str) -> ToolSpec:
-    return ToolSpec(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.toolspec, ctx.budget())
+    return ToolSpec(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, ctx.decode.toolspec, ctx.budget(),
+                    ctx.fmt)

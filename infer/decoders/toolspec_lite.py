@@ -37,18 +37,20 @@ from infer.lookup import copy_after_suffix
 from infer.retrieval import RetrievalStore
 from infer.session import MainSession
 from infer.tree import chain, merge
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
 
 
 def build(ctx: DecoderContext, method: str) -> "ToolSpecLite":
-    return ToolSpecLite(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens)
+    return ToolSpecLite(ctx.target, ctx.tokenizer, ctx.eos, ctx.decode.max_new_tokens, fmt=ctx.fmt)
 
 
 class ToolSpecLite:
     def __init__(self, target: Target, tokenizer: Any, eos: frozenset[int], max_new_tokens: int,
-                 total: int = 16, length: int = 12, k: int = 3) -> None:
+                 total: int = 16, length: int = 12, k: int = 3, fmt: ResponseFormat = JSON) -> None:
         self.target, self.tokenizer, self.eos, self.max_new_tokens = target, tokenizer, eos, max_new_tokens
+        self.fmt = fmt
         self.total, self.length = total, length
         self.k = k
         self.reset()
@@ -60,7 +62,8 @@ class ToolSpecLite:
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions()) -> Decoded:
         phases = Phases("drafting", "verification")
         plans = {fn["name"]: call_plan(fn) for fn in request.functions}
-        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens),
+        s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens,
+                                                                   self.fmt),
                         scratch=self.total, sampler=options.sampler, constraint=options.constraint)
         with phases("verification"):
             s.prefill()
@@ -82,11 +85,11 @@ class ToolSpecLite:
         position = state.call_index if state.call_index is not None else state.calls_started
         realized = [plans[state.tool_name]] if state.tool_name in plans else list(plans.values())
         for plan in realized:
-            suffix = propose(text, state, [plan] * (position + 1), cross_calls=state.call_index is None)
+            suffix = propose(text, state, [plan] * (position + 1), cross_calls=state.call_index is None, fmt=self.fmt)
             if suffix:
                 chains.append(continuation_ids(self.tokenizer, committed, text, suffix.rstrip(" ")))
         if state.call_index is None and state.calls_started:  # or the list closes here
-            chains.append(continuation_ids(self.tokenizer, committed, text, propose(text, state, [])))
+            chains.append(continuation_ids(self.tokenizer, committed, text, propose(text, state, [], fmt=self.fmt)))
         # retrieval and prompt lookup: earlier outputs, the prompt, the response so far
         context = s.tokens  # prompt + committed (the pending token last)
         for source in sources + [committed]:

@@ -1,0 +1,125 @@
+"""The response formats on literal cases: each format's text, its parse (the parser's view of
+structure must not depend on the wrapper), the packer's bridges, the stopping rule, prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.packer import CallPlan, propose
+from schemafill.parser import parse_prefix, response_layout, value_literal
+from schemafill.prompt import render_plain
+from schemafill.response_format import FORMATS, HERMES, JSON, get_format
+from schemafill.stopping import ResponseStop
+from schemafill.toolcall import ToolCall, ToolRequest, parse_response, serialize_calls
+
+CALLS = [{"name": "get_weather", "arguments": {"city": "Paris, \"FR\"", "days": 3}},
+         {"name": "book", "arguments": {"when": {"day": "mon", "slots": [1, 2]}, "ok": True}}]
+WEATHER = CallPlan("get_weather", ("city", "unit"), ("city", "unit", "days"), {"city": '"Paris"', "unit": '"C"'})
+TIME = CallPlan("get_time", ("tz",), ("tz",), {})
+
+
+def test_each_format_writes_the_same_call_objects_in_its_own_wrapper():
+    assert JSON.serialize(CALLS[:1]) == \
+        '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\"", "days": 3}}]}'
+    assert HERMES.serialize(CALLS) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\"", "days": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "book", "arguments": {"when": {"day": "mon", "slots": [1, 2]}, "ok": true}}\n'
+        '</tool_call>')
+    assert JSON.serialize([]) == '{"tool_calls": []}' and HERMES.serialize([]) == HERMES.empty
+    for fmt in FORMATS.values():
+        assert fmt.parse(fmt.serialize(CALLS)) == CALLS and get_format(fmt.name) is fmt
+        assert fmt.field_prefix("f", "k") == fmt.header + '{"name": "f", "arguments": {"k":'
+    with pytest.raises(ValueError, match="unknown response format 'xml'.*hermes"):
+        get_format("xml")
+
+
+def test_hermes_parse_is_strict_about_what_surrounds_the_blocks():
+    block = HERMES.serialize(CALLS[:1])
+    assert HERMES.parse("I can't do that.") == []  # a reply in words calls nothing
+    assert HERMES.is_calls("\n") is None and HERMES.is_calls("\n<tool_call>") is True  # as the base model writes
+    assert HERMES.parse(block + "\n\n" + block) == CALLS[:1] * 2  # blocks on separate lines, any whitespace
+    assert HERMES.parse("Sure! " + block) is None  # text around a call
+    assert HERMES.parse(block[:-3]) is None  # an unclosed block
+    assert HERMES.parse("<tool_call>\n{not json}\n</tool_call>") is None
+    calls = parse_response(block, HERMES)
+    assert calls == [ToolCall("get_weather", {"city": "Paris, \"FR\"", "days": 3})]
+    assert serialize_calls(calls, HERMES) == block and parse_response(block) is None  # not a json-format response
+
+
+@pytest.mark.parametrize("cut", range(0, 200, 7))
+def test_the_parser_sees_the_same_structure_through_either_wrapper(cut):
+    """Cut the json text anywhere inside a call object; the hermes text cut at the same place
+    of the same call parses to the same state, offsets moved by the wrappers' difference."""
+    jtext, htext = JSON.serialize(CALLS), HERMES.serialize(CALLS)
+    jcalls = [c.spans for c in response_layout(jtext)]
+    hcalls = [c.spans for c in response_layout(htext, HERMES)]
+    assert [[jtext[a:e] for _, a, e in spans] for spans in jcalls] == \
+        [[htext[a:e] for _, a, e in spans] for spans in hcalls]
+    j_starts = [jtext.index('{"name"', i) for i in (0, jtext.index("}}, ") + 3)]
+    h_starts = [htext.index('{"name"', i) for i in (0, htext.index("</tool_call>"))]
+    for j_start, h_start, end in zip(j_starts, h_starts, (jtext.index("}}, ") + 2, len(jtext) - 2)):
+        at = j_start + cut
+        if at > end:
+            continue
+        js, hs = parse_prefix(jtext[:at]), parse_prefix(htext[:h_start + cut], HERMES)
+        shift = h_start - j_start
+        moved = lambda v: None if v is None else v + shift  # noqa: E731
+        assert hs.error is None and js.error is None
+        assert (hs.call_index, hs.tool_name, hs.field, hs.in_key, hs.in_value, hs.value_type, hs.fields_done) == \
+            (js.call_index, js.tool_name, js.field, js.in_key, js.in_value, js.value_type, js.fields_done)
+        assert (hs.value_start, hs.call_start) == (moved(js.value_start), moved(js.call_start))
+        assert [(k, a + shift, e + shift) for k, a, e in js.spans] == list(hs.spans)
+
+
+def test_hermes_prefixes_never_fail_and_the_state_between_blocks():
+    text = HERMES.serialize(CALLS)
+    for i in range(len(text) + 1):
+        state = parse_prefix(text[:i], HERMES)
+        assert state.error is None and not state.closed, (i, state.error)  # EOS, not the text, ends it
+    first = text[:text.index("</tool_call>") + len("</tool_call>")]
+    state = parse_prefix(first + "\n", HERMES)
+    assert (state.call_index, state.calls_started, state.last_call_end) == (None, 1, first.rindex("}") + 1)
+    assert value_literal(first.split("\n</tool_call>")[0][:-2] + ",", "days", HERMES) == "3"
+    for bad, where in (("Hello", "'<tool_call>', got 'H'"), (first + " x", "'<tool_call>', got 'x'"),
+                       ("<tool_call>\n{}\n</tool_cal!", "'</tool_call>'"), ("<tool_call>\n{} {", "'</tool_call>'")):
+        assert where in parse_prefix(bad, HERMES).error, bad
+
+
+def p(text, plans, fmt, **kw):
+    return propose(text, parse_prefix(text, fmt), plans, fmt=fmt, **kw)
+
+
+def test_the_packer_bridges_fields_and_calls_in_hermes():
+    call = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+    assert p("", [WEATHER, TIME], HERMES) == \
+        f'<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{{"name": "get_time", "arguments": {{"tz": '
+    inside = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    assert p(inside, [WEATHER], HERMES) == 'ris", "unit": "C"}}\n</tool_call>'
+    assert p(inside, [WEATHER, TIME], HERMES, cross_calls=False) == 'ris", "unit": "C"}}'
+    done = f"<tool_call>\n{call}\n</tool_call>"
+    # between blocks, wherever MAIN stopped in the bridge: the next block, or nothing after the last
+    assert p(done, [WEATHER, TIME], HERMES) == '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": '
+    assert p(done + "\n<tool", [WEATHER, TIME], HERMES) == '_call>\n{"name": "get_time", "arguments": {"tz": '
+    assert p(done, [WEATHER], HERMES) == ""
+    assert p("Sorry, ", [WEATHER], HERMES) == ""  # a reply in words: nothing to pack
+
+
+def test_the_stopping_rule_of_each_format(smol_tokenizer):
+    eos = smol_tokenizer.eos_token_id
+    for fmt, reason in ((JSON, "closed"), (HERMES, None)):
+        stop = ResponseStop(smol_tokenizer, {eos}, 500, fmt=fmt)
+        ids = smol_tokenizer(fmt.serialize(CALLS), add_special_tokens=False).input_ids
+        assert stop.push(ids + [eos]) == len(ids) + (reason is None)
+        assert stop.reason == (reason or "eos")
+        assert fmt.complete(stop.text, stop.reason)
+        assert not fmt.complete(fmt.serialize(CALLS)[:-4], "eos")
+
+
+def test_prompts_ask_for_the_targets_format():
+    req = ToolRequest(id="r", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                      tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {
+                          "type": "object", "properties": {"city": {"type": "string"}}}}}])
+    plain, hermes = render_plain(req), render_plain(req, HERMES)
+    assert JSON.template in plain and "<tool_call>" not in plain and plain.count(JSON.empty) == 1
+    assert HERMES.template in hermes and '{"tool_calls"' not in hermes and hermes.count(HERMES.empty) == 1
+    assert plain.endswith("User: Weather in Paris?\n\nResponse:\n") and hermes.endswith("Response:\n")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from infer.tree import ROOT
-from schemafill.response_format import KEY, SEPARATORS, dumps
+from schemafill.response_format import JSON, KEY, SEPARATORS, ResponseFormat, dumps
 
 JSON_TYPES = {"string", "number", "integer", "boolean", "object", "array", "null"}
 
@@ -97,13 +97,20 @@ def minimal_value(schema: Any) -> Any:
     return {"string": "", "boolean": False, "null": None}.get(kind, 0)
 
 
-def valid_response(text: str, functions: list[dict], min_calls: int = 0) -> bool:
-    """Whether ``text`` is a complete response that validates against the response schema of
-    ``functions`` (checked by ``jsonschema``, independently of the grammar engine)."""
+def valid_response(text: str, functions: list[dict], min_calls: int = 0, fmt: ResponseFormat = JSON) -> bool:
+    """Whether ``text`` is a complete ``fmt`` response whose calls validate against the response
+    schema of ``functions`` (checked by ``jsonschema``, independently of the grammar engine)."""
     import jsonschema
 
     try:
-        jsonschema.validate(json.loads(text), response_schema(functions, min_calls))
+        if fmt.open_tag is None:
+            obj = json.loads(text)
+        else:  # the blocks' calls, validated as the json format's list would be
+            calls = fmt.parse(text.strip())
+            if calls is None:
+                return False
+            obj = {KEY: calls}
+        jsonschema.validate(obj, response_schema(functions, min_calls))
     except (ValueError, jsonschema.ValidationError):  # json.JSONDecodeError is a ValueError
         return False
     return True

@@ -52,14 +52,14 @@ def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferCon
     """One timed decode: prompt rendering through stop."""
     opts = options(r, request_seed(cfg.decode.seed, r.id, k))
     t0 = time.perf_counter()
-    ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs,
-                     get_format(cfg.model.response_format))
+    fmt = get_format(cfg.model.response_format)
+    ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs, fmt)
     d = decoder.decode(r, ids, opts)
     seconds = time.perf_counter() - t0
     return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
             "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop, "nodes": d.nodes,
             "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows, "forced": d.forced,
-            "pruned": d.pruned, "valid": valid_response(d.text, r.functions)}
+            "pruned": d.pruned, "valid": valid_response(d.text, r.functions, fmt=fmt)}
 
 
 def run(cfg: InferConfig) -> dict:

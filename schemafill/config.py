@@ -28,7 +28,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float16
     # EAGLE-3 inputs: HF `hidden_states[i]`, i.e. the *input* of decoder layer i (SGLang counts one lower)
     aux_layer_ids: list[int] = MISSING
-    prompt_style: str = "plain"  # plain | chat (the target's own chat template)
+    # plain | chat (our instructions in the target's chat template) | tools (the catalog as tools= to
+    # the target's chat template, as its users prompt it; ours for a ChatML target without one)
+    prompt_style: str = "plain"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. Qwen3: {enable_thinking: false}
     max_context: int = 8192  # requests whose prompt + response cap exceed this are rejected, not truncated
     finetune: bool = False  # the `target` stage fine-tunes this model into a tool caller (built-in target)
@@ -39,6 +41,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.response_format not in FORMATS:
             raise ValueError(f"model.response_format must be one of {sorted(FORMATS)}, got {self.response_format!r}")
+        if self.prompt_style == "tools" and self.response_format == "json":
+            raise ValueError("model.prompt_style=tools prompts with the target's own tool format; the json format is "
+                             "ours and asked for in prompt_style plain or chat (or set model.response_format=hermes)")
 
 
 @dataclass

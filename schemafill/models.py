@@ -13,7 +13,10 @@ from schemafill.config import ModelConfig
 
 
 def target_dir(model: ModelConfig, artifacts: str | Path) -> Path:
-    return Path(artifacts) / "targets" / model.name
+    """Where the fine-tuned target lives: one folder per response format it was taught (the
+    json one keeps the plain name), so a hermes fine-tune never replaces the json target."""
+    name = model.name if model.response_format == "json" else f"{model.name}-{model.response_format}"
+    return Path(artifacts) / "targets" / name
 
 
 def target_location(model: ModelConfig, artifacts: str | Path) -> str:

@@ -1,9 +1,12 @@
 """Prompt rendering: what the target reads before it writes a tool-call response.
 
-Two styles (``model.prompt_style``): ``plain``, the paper's plain-text task prompt
-(catalog + output format + conversation, no chat template), and ``chat``, the same
-instructions as a system message rendered by the target's own chat template. Every
-method of every stage renders prompts here, so all decoders see identical prompt tokens.
+Three styles (``model.prompt_style``): ``plain``, the paper's plain-text task prompt
+(catalog + output format + conversation, no chat template); ``chat``, the same
+instructions as a system message rendered by the target's own chat template; and ``tools``,
+as the target's users prompt it: the conversation alone, the catalog passed as ``tools=`` to
+the target's own chat template (or, where that template has no tools, to ours:
+``tool_template``), which asks for the target's native format. Every method of every stage
+renders prompts here, so all decoders see identical prompt tokens.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import json
 from typing import Any
 
 from schemafill.response_format import JSON, ResponseFormat
+from schemafill.tool_template import CHATML_TOOLS, is_chatml, takes_tools
 from schemafill.toolcall import ToolRequest
 
-PROMPT_STYLES = ("plain", "chat")
+PROMPT_STYLES = ("plain", "chat", "tools")
 
 INSTRUCTIONS = (
     "You are a function-calling assistant. Serve the user's request by calling tools "
@@ -89,12 +93,29 @@ def render_chat(request: ToolRequest, tokenizer: Any, template_kwargs: dict | No
                                          **(template_kwargs or {}))
 
 
+def render_tools(request: ToolRequest, tokenizer: Any, template_kwargs: dict | None = None,
+                 fmt: ResponseFormat = JSON) -> str:
+    """The conversation through the target's own chat template with the catalog as ``tools=``;
+    a ChatML tokenizer whose template has no tools gets ours (hermes blocks)."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in request.messages]
+    kwargs = {"tokenize": False, "add_generation_prompt": True, **(template_kwargs or {})}
+    if takes_tools(tokenizer):
+        return tokenizer.apply_chat_template(messages, tools=request.tools, **kwargs)
+    if fmt.name == "hermes" and is_chatml(tokenizer):
+        return tokenizer.apply_chat_template(messages, tools=request.tools, chat_template=CHATML_TOOLS, **kwargs)
+    raise ValueError(f"prompt_style=tools needs a chat template that takes tools=; this tokenizer's has none, and "
+                     f"ours writes ChatML turns asking for hermes blocks (response_format={fmt.name}): "
+                     "use model.prompt_style=plain or chat")
+
+
 def render_prompt(request: ToolRequest, style: str, tokenizer: Any = None, template_kwargs: dict | None = None,
                   fmt: ResponseFormat = JSON) -> str:
     if style == "plain":
         return render_plain(request, fmt)
     if style == "chat":
         return render_chat(request, tokenizer, template_kwargs, fmt)
+    if style == "tools":
+        return render_tools(request, tokenizer, template_kwargs, fmt)
     raise ValueError(f"unknown prompt style {style!r}; expected one of {PROMPT_STYLES}")
 
 

@@ -139,6 +139,11 @@ def test_the_response_format_is_named_and_the_grammar_needs_json():
         to_dataclass(compose(["model.response_format=xml"]))
     with pytest.raises(Exception, match="decode.constrain=schema compiles the json format's grammar"):
         to_dataclass(compose(["model.response_format=hermes", "decode.constrain=schema"]))
+    with pytest.raises(Exception, match="prompt_style=tools prompts with the target's own tool format"):
+        to_dataclass(compose(["model.prompt_style=tools"]))
+    hermes = to_dataclass(compose(["experiment=hermes"]))
+    assert (hermes.model.response_format, hermes.model.prompt_style, hermes.run_name) == \
+        ("hermes", "tools", "smollm2-135m-hermes")
 
 
 @pytest.mark.parametrize("option", options("experiment"))

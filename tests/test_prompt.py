@@ -54,3 +54,30 @@ def test_chat_style_without_template_is_a_clear_error():
         render_prompt(REQ, "chat", tok)
     with pytest.raises(ValueError, match="unknown prompt style"):
         render_prompt(REQ, "markdown")
+
+
+def test_tools_style_passes_the_catalog_to_the_targets_own_template():
+    from schemafill.response_format import HERMES
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    tok.chat_template = "{% for t in tools %}TOOL {{ t['function']['name'] }}\n{% endfor %}" + CHATML
+    text = render_prompt(REQ, "tools", tok, fmt=HERMES)
+    assert text.startswith("TOOL weather\n<|im_start|>system\nBe brief.<|im_end|>")  # its own words, not ours
+    assert "<|im_start|>tool\n{\"temp\": 21}" in text and "function-calling assistant" not in text
+
+
+def test_tools_style_gives_a_chatml_target_without_tools_our_template(smol_tokenizer):
+    from schemafill.response_format import HERMES
+
+    text = render_prompt(REQ, "tools", smol_tokenizer, fmt=HERMES)
+    catalog = json.dumps(REQ.tools[0], ensure_ascii=False, separators=(",", ":"))
+    assert text.startswith(f"<|im_start|>system\nBe brief.\n\nYou can call the tools below, one JSON schema per line:"
+                           f"\n<tools>\n{catalog}\n</tools>\n")
+    assert HERMES.template in text and "SmolLM" not in text  # ours, not SmolLM2's default system turn
+    assert text.endswith("<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response><|im_end|>\n"
+                         "<|im_start|>user\nAnd in Rome?<|im_end|>\n<|im_start|>assistant\n")
+    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+    with pytest.raises(ValueError, match="needs a chat template that takes tools="):
+        render_prompt(REQ, "tools", bare, fmt=HERMES)  # no template, no ChatML tokens
+    with pytest.raises(ValueError, match="needs a chat template that takes tools="):
+        render_prompt(REQ, "tools", smol_tokenizer)  # ours asks for hermes blocks, not the json format

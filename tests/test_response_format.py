@@ -71,6 +71,18 @@ def test_the_parser_sees_the_same_structure_through_either_wrapper(cut):
         assert [(k, a + shift, e + shift) for k, a, e in js.spans] == list(hs.spans)
 
 
+def test_valid_calls_are_checked_against_the_catalog_in_either_format():
+    from infer.constraint import valid_response
+
+    catalog = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}]
+    for fmt in (JSON, HERMES):
+        assert valid_response(fmt.serialize(CALLS[:1]), catalog, fmt=fmt)
+        assert not valid_response(fmt.serialize(CALLS), catalog, fmt=fmt)  # "book" is not in the catalog
+        assert not valid_response(fmt.serialize(CALLS[:1])[:-3], catalog, fmt=fmt)  # cut short
+    assert not valid_response(HERMES.serialize(CALLS[:1]), catalog)  # read as json, hermes is not valid
+
+
 def test_hermes_prefixes_never_fail_and_the_state_between_blocks():
     text = HERMES.serialize(CALLS)
     for i in range(len(text) + 1):

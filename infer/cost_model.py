@@ -9,7 +9,11 @@ curve (``infer/selection.py``).
 
 ``CostModel`` is the measured curve: points ``(n, ms)``, read by linear interpolation (and
 extrapolated along the last segment), made non-decreasing so noise never makes a bigger
-tree look cheaper. ``measure`` times the target; ``load_or_measure`` keeps the result in a
+tree look cheaper: the closest non-decreasing curve (adjacent violators pooled into their
+mean), so one slow sample is averaged with its neighbours instead of lifting every size after
+it (the running maximum used before read c(2), c(4) and c(8) all as 105 ms on a 2-core EPYC whose
+c(1) was 60 and c(16) 121: one slow c(2) carried over the next two sizes). ``measure`` times the target, the sizes round-robin so a slow moment of the host
+spreads over all of them rather than landing on one; ``load_or_measure`` keeps the result in a
 JSON file keyed by what the time depends on: the target's weights, device, dtype, the
 host's CPU capability and thread count.
 """
@@ -43,8 +47,8 @@ class CostModel:
             raise ValueError(f"a cost model needs one time per size, got {self.sizes} and {self.ms}")
         if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
             raise ValueError(f"sizes must be increasing positive row counts, got {self.sizes}")
-        # monotone: a bigger forward never costs less than a smaller one measured before it
-        object.__setattr__(self, "ms", tuple(max(self.ms[: i + 1]) for i in range(len(self.ms))))
+        # monotone: a bigger forward never costs less than a smaller one
+        object.__setattr__(self, "ms", tuple(round(v, 3) for v in isotonic(self.ms)))
 
     def __call__(self, n: int) -> float:
         """Milliseconds of one forward over ``n`` rows (n ≥ 1)."""
@@ -73,6 +77,19 @@ class CostModel:
                 "ratio_64_to_1": round(self(64) / self(1), 3)}
 
 
+def isotonic(values: tuple[float, ...] | list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in squared error (pool adjacent
+    violators: a run that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a forward's time depends on, as one string: the target's shape and a sample of its
     weights, the device, dtype, the CPU capability ATen dispatches to, and the thread count."""
@@ -95,7 +112,8 @@ def _sync(device: torch.device) -> None:
 def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> CostModel:
     """Time the target on a chain of ``n`` rows after ``context`` committed positions (a tree
     of n rows costs what a chain does: the mask differs, not the work), logits at every row as
-    a verification computes them. Median of ``repeats`` after one warm-up."""
+    a verification computes them. Median of ``repeats`` rounds over every size, after one
+    warm-up of each."""
     dev = target.device
     g = torch.Generator().manual_seed(0)
     width = context + max(sizes)
@@ -105,20 +123,20 @@ def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] 
     causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None]
     target(tokens[:, :context], positions[:, :context], causal[:, :context, :context], positions[:, :context], arena,
            logits_at=torch.tensor([[context - 1]], device=dev))
-    ms = []
+    calls = []
     for n in sizes:
         sl = slice(context, context + n)
-        args = (tokens[:, sl], positions[:, sl], causal[:, sl, : context + n], positions[:, sl], arena)
-        target(*args)
-        times = []
-        for _ in range(repeats):
+        calls.append((tokens[:, sl], positions[:, sl], causal[:, sl, : context + n], positions[:, sl], arena))
+        target(*calls[-1])
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for i, args in enumerate(calls):
             _sync(dev)
             t = time.perf_counter()
             target(*args)
             _sync(dev)
-            times.append(1e3 * (time.perf_counter() - t))
-        ms.append(round(statistics.median(times), 3))
-    return CostModel(tuple(sizes), tuple(ms), context)
+            times[i].append(1e3 * (time.perf_counter() - t))
+    return CostModel(tuple(sizes), tuple(round(statistics.median(t), 3) for t in times), context)
 
 
 def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, context: int = 512,

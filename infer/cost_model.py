@@ -10,12 +10,12 @@ curve (``infer/selection.py``).
 ``CostModel`` is the measured curve: points ``(n, ms)``, read by linear interpolation (and
 extrapolated along the last segment), made non-decreasing so noise never makes a bigger
 tree look cheaper: the closest non-decreasing curve (adjacent violators pooled into their
-mean), so one slow sample is averaged with its neighbours instead of lifting every size after
-it (the running maximum used before read c(2), c(4) and c(8) all as 105 ms on a 2-core EPYC whose
-c(1) was 60 and c(16) 121: one slow c(2) carried over the next two sizes). ``measure`` times the target, the sizes round-robin so a slow moment of the host
-spreads over all of them rather than landing on one; ``load_or_measure`` keeps the result in a
-JSON file keyed by what the time depends on: the target's weights, device, dtype, the
-host's CPU capability and thread count.
+mean), so one slow sample is averaged with its neighbours instead of lifting every size
+after it (the running maximum used before read c(2), c(4) and c(8) all as 105 ms on a 2-core
+EPYC whose c(1) was 60 and c(16) 121). ``measure`` times the target, the sizes round-robin
+so a slow moment of the host spreads over all of them rather than landing on one;
+``load_or_measure`` keeps the result in a JSON file keyed by what the time depends on: the
+target's weights, device, dtype, the host's CPU capability and thread count.
 """
 
 from __future__ import annotations

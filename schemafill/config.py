@@ -31,6 +31,7 @@ class ModelConfig:
     # plain | chat (our instructions in the target's chat template) | tools (the catalog as tools= to
     # the target's chat template, as its users prompt it; ours for a ChatML target without one)
     prompt_style: str = "plain"
+    paper_prompt_style: str = "plain"  # the prompt style of the paper's setting (experiment=paper)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. Qwen3: {enable_thinking: false}
     max_context: int = 8192  # requests whose prompt + response cap exceed this are rejected, not truncated
     finetune: bool = False  # the `target` stage fine-tunes this model into a tool caller (built-in target)

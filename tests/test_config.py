@@ -141,6 +141,15 @@ def test_the_response_format_is_named_and_the_grammar_needs_json():
         to_dataclass(compose(["model.response_format=hermes", "decode.constrain=schema"]))
     with pytest.raises(Exception, match="prompt_style=tools prompts with the target's own tool format"):
         to_dataclass(compose(["model.prompt_style=tools"]))
+    # real targets answer natively; experiment=paper restores the paper's json setting per target
+    native = to_dataclass(compose(["model=qwen2.5"]))
+    paper = to_dataclass(compose(["model=qwen2.5", "experiment=paper"]))
+    assert (native.model.response_format, native.model.prompt_style) == ("hermes", "tools")
+    assert (paper.model.response_format, paper.model.prompt_style) == ("json", "plain")
+    qwen3 = to_dataclass(compose(["model=qwen3", "experiment=paper"])).model
+    assert (qwen3.response_format, qwen3.prompt_style) == ("json", "chat")
+    assert qwen3.chat_template_kwargs == {"enable_thinking": False}
+    assert to_dataclass(compose(["model=mistral-7b"])).model.response_format == "json"  # no mistral format yet
     hermes = to_dataclass(compose(["experiment=hermes"]))
     assert (hermes.model.response_format, hermes.model.prompt_style, hermes.run_name) == \
         ("hermes", "tools", "smollm2-135m-hermes")

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from infer.openai_message import assemble, finish_reason, message
+from infer.openai_protocol import parse_chat_request
 from infer.serve import BackgroundServer
 from infer.serve_engine import Engine
 from schemafill.config import InferConfig, ServeConfig, to_dataclass
@@ -294,3 +295,32 @@ def test_a_method_that_is_not_lossless_is_refused_before_any_model_loads(tmp_pat
         Engine(cfg)
     with pytest.raises(ValueError, match="unknown method"):
         Engine(to_dataclass(compose(["method=medusa"], config_name="serve"), ServeConfig))
+
+
+def test_a_hermes_target_is_served_in_its_own_format(tiny_target, tiny_head, requests, tmp_path):
+    """The server reads and writes the target's format: earlier assistant calls go back into the
+    prompt as hermes blocks, and the json grammar of tool_choice required is refused by name."""
+    cfg = to_dataclass(compose([f"model.source={tiny_target}", f"head={tiny_head}", f"paths.artifacts={tmp_path}",
+                                f"decode.cost_cache={tmp_path / 'cost'}", "method=ar", "warmup=false",
+                                "model.response_format=hermes", *TARGET], config_name="serve"), ServeConfig)
+    engine = Engine(cfg)
+    try:
+        with BackgroundServer(engine) as server:
+            tools = requests[0].tools
+            name = tools[0]["function"]["name"]
+            history = [*requests[0].messages,
+                       {"role": "assistant", "tool_calls": [{"id": "c0", "type": "function",
+                                                             "function": {"name": name, "arguments": "{}"}}]},
+                       {"role": "tool", "tool_call_id": "c0", "content": "done"}]
+            body = {"model": MODEL, "messages": history, "tools": tools, "max_tokens": 4}
+            assert post(server.url, body).status_code == 200
+            chat = parse_chat_request(body, engine.models, "id", 0.0, engine.fmt)
+            assert chat.request.messages[-2] == {"role": "assistant", "content": engine.fmt.serialize(
+                [{"name": name, "arguments": {}}])}  # the earlier call, as the target writes calls
+            assert chat.request.messages[-2]["content"].startswith("<tool_call>\n{")
+            refused = post(server.url, {"model": MODEL, "messages": requests[0].messages, "tools": tools,
+                                        "tool_choice": "required"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+            assert "json format only" in refused.json()["error"]["message"]
+    finally:
+        engine.close()

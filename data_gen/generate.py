@@ -41,9 +41,9 @@ from schemafill.feature_cache import FEATURES, FeatureCache, RowFeatures
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.generate import generate
 from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
-from schemafill.prompt import prompt_ids
+from schemafill.prompt import model_prompt_ids
 from schemafill.records import read_requests
-from schemafill.response_format import JSON, ResponseFormat, get_format
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.toolcall import ToolRequest, parse_response
 
 OUTPUTS = ["dataset_info.json", "stats.json"]
@@ -75,8 +75,7 @@ def prompts_for(requests: list[ToolRequest], tokenizer: Any, cfg: PipelineConfig
     prompts: list[list[int] | None] = []
     skipped: dict[str, str] = {}
     for r in requests:
-        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs,
-                         get_format(cfg.model.response_format))
+        ids = model_prompt_ids(r, cfg.model, tokenizer)
         if len(ids) + cfg.decode.max_new_tokens > cfg.model.max_context:
             skipped[r.id] = "prompt + response cap exceed model.max_context"
         elif gen.max_prompt_tokens and len(ids) > gen.max_prompt_tokens:
@@ -137,7 +136,7 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
             write(s)
     generate(target, tokenizer, [prompts[j] for _, j in stream], cfg.decode.max_new_tokens,
              cfg.data.continuations.batch_size, eos=eos, on_done=done, capture=capture,
-             fmt=get_format(cfg.model.response_format))
+             fmt=cfg.model.fmt)
 
 
 def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
@@ -191,7 +190,7 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
         source = {"aux_layer_ids": list(m.aux_layer_ids), "dtype": str(dtype), "stage": "continuations"}
         stats = merge(work, len(plan), len(requests), out, time.perf_counter() - t0, fp, reused,
                       features=source if cfg.data.continuations.features else None,
-                      fmt=get_format(cfg.model.response_format))
+                      fmt=cfg.model.fmt)
         shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
     state.wait_for_everyone()  # no rank moves on (e.g. to the head stage) before the merge is on disk
     if not state.is_main_process:

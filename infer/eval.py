@@ -34,7 +34,7 @@ from schemafill import atomic
 from schemafill.config import InferConfig, LoggerConfig, PipelineConfig, to_dict
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
 from schemafill.models import target_location
-from schemafill.response_format import JSON, ResponseFormat, get_format
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.toolcall import parse_response
 
 from infer import decoders, report
@@ -165,13 +165,13 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
         for m, chosen in (json.loads(selection.read_text()) if selection.is_file() else {}).items():
             if m in metrics[dataset]:
                 metrics[dataset][m]["selection"] = chosen
-        calls[dataset] = by_calls(launches[0], get_format(cfg.model.response_format))
+        calls[dataset] = by_calls(launches[0], cfg.model.fmt)
         if ec.temperature > 0:  # paper App. C.5: the lossless methods, sampling
             methods = [m for m in ec.sampled_methods if m in ec.methods and m != "parallel_fill"]
             hot = dataclasses.replace(cfg.decode, temperature=ec.temperature)
             sampled[dataset] = summarize([launch(dataset, f"temperature_{ec.temperature:g}", methods, hot)])
         methods = [m for m in ec.constrained_methods if m in ec.methods and m != "parallel_fill"]
-        if methods and cfg.model.response_format != "json":
+        if methods and not cfg.model.fmt.grammar:
             print(f"[eval] Table 7 skipped: the response grammar exists for the json format only, "
                   f"not {cfg.model.response_format!r}")
             methods = []

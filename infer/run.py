@@ -33,9 +33,8 @@ from schemafill import atomic
 from schemafill.config import InferConfig, register_configs, to_dataclass, to_dict
 from schemafill.device import resolve_device
 from schemafill.models import load_launch_target
-from schemafill.prompt import prompt_ids
+from schemafill.prompt import model_prompt_ids
 from schemafill.records import read_requests
-from schemafill.response_format import get_format
 from schemafill.toolcall import ToolRequest
 from schemafill.tracking import start_run
 
@@ -52,14 +51,13 @@ def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferCon
     """One timed decode: prompt rendering through stop."""
     opts = options(r, request_seed(cfg.decode.seed, r.id, k))
     t0 = time.perf_counter()
-    fmt = get_format(cfg.model.response_format)
-    ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs, fmt)
+    ids = model_prompt_ids(r, cfg.model, tokenizer)
     d = decoder.decode(r, ids, opts)
     seconds = time.perf_counter() - t0
     return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
             "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop, "nodes": d.nodes,
             "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows, "forced": d.forced,
-            "pruned": d.pruned, "valid": valid_response(d.text, r.functions, fmt=fmt)}
+            "pruned": d.pruned, "valid": valid_response(d.text, r.functions, fmt=cfg.model.fmt)}
 
 
 def run(cfg: InferConfig) -> dict:
@@ -78,8 +76,7 @@ def run(cfg: InferConfig) -> dict:
             requests = [requests[i * len(requests) // cfg.limit] for i in range(cfg.limit)]
     kept: list[ToolRequest] = []
     for r in requests:
-        n = len(prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs,
-                           get_format(cfg.model.response_format)))
+        n = len(model_prompt_ids(r, cfg.model, tokenizer))
         if n + cfg.decode.max_new_tokens > cfg.model.max_context:
             skipped.append({"id": r.id, "line": None, "reason": f"prompt of {n} tokens + max_new_tokens "
                                                               f"{cfg.decode.max_new_tokens} exceed the context "
@@ -94,7 +91,7 @@ def run(cfg: InferConfig) -> dict:
     # ---- decode the same requests with every method
     ctx = DecoderContext(target, tokenizer, eos, cfg.decode,
                          cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name),
-                         fmt=get_format(cfg.model.response_format))
+                         fmt=cfg.model.fmt)
     methods = decoders.build(cfg.methods, ctx)
     d_cfg = cfg.decode
     # compiled once per catalog, before any timing; Parallel Fill is not constrained

@@ -26,8 +26,7 @@ from infer.sampling import Sampler
 from schemafill.config import ServeConfig
 from schemafill.device import resolve_device
 from schemafill.models import load_launch_target
-from schemafill.prompt import prompt_ids
-from schemafill.response_format import get_format
+from schemafill.prompt import model_prompt_ids
 from schemafill.toolcall import ToolRequest
 
 
@@ -101,7 +100,7 @@ class Engine:
         self.cfg = cfg
         device = resolve_device(cfg.device)
         self.target, self.tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
-        self.fmt = get_format(cfg.model.response_format)
+        self.fmt = cfg.model.fmt
         ctx = DecoderContext(self.target, self.tokenizer, eos, cfg.decode,
                              cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name), fmt=self.fmt)
         self.decoders = decoders.build(methods, ctx)
@@ -120,8 +119,7 @@ class Engine:
 
     # ---- a request, ready to decode
     def prompt(self, request: ToolRequest) -> list[int]:
-        return prompt_ids(request, self.cfg.model.prompt_style, self.tokenizer, self.cfg.model.chat_template_kwargs,
-                          self.fmt)
+        return model_prompt_ids(request, self.cfg.model, self.tokenizer)
 
     @property
     def grammars(self) -> SchemaGrammars:
@@ -143,7 +141,7 @@ class Engine:
                            "context_length_exceeded")
         constraint = None
         close_at = cap - d.close_margin if d.close_margin else None
-        if chat.constrained and self.fmt.name != "json":
+        if chat.constrained and not self.fmt.grammar:
             raise APIError(400, f"tool_choice {chat.tool_choice!r} needs the response grammar, which exists for the "
                                 f"json format only; this target answers in {self.fmt.name!r}", "tool_choice")
         try:

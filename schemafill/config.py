@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from schemafill.response_format import FORMATS
+from schemafill.response_format import FORMATS, ResponseFormat
 
 STAGES = ("requests", "target", "continuations", "head", "eval")
 
@@ -38,6 +38,11 @@ class ModelConfig:
     # how the target writes its calls (schemafill/response_format.py): json = the paper's
     # {"tool_calls": [...]}; hermes = <tool_call> blocks, as Qwen2.5/Qwen3/Hermes-3 answer
     response_format: str = "json"
+
+    @property
+    def fmt(self) -> ResponseFormat:
+        """The response format object ``response_format`` names."""
+        return FORMATS[self.response_format]
 
     def __post_init__(self) -> None:
         if self.response_format not in FORMATS:
@@ -298,8 +303,8 @@ class PipelineConfig:
 
 
 def check_grammar(model: ModelConfig, decode: DecodeConfig) -> None:
-    """The response grammar (``decode.constrain``) is written for the json format only."""
-    if decode.constrain != "none" and model.response_format != "json":
+    """The response grammar (``decode.constrain``) exists for the formats that have one (json)."""
+    if decode.constrain != "none" and not model.fmt.grammar:
         raise ValueError(f"decode.constrain={decode.constrain} compiles the json format's grammar; "
                          f"model.response_format={model.response_format} has none yet (use decode.constrain=none)")
 

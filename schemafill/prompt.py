@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from schemafill.config import ModelConfig
 from schemafill.response_format import JSON, ResponseFormat
 from schemafill.tool_template import CHATML_TOOLS, is_chatml, takes_tools
 from schemafill.toolcall import ToolRequest
@@ -125,6 +126,11 @@ def prompt_ids(request: ToolRequest, style: str, tokenizer: Any, template_kwargs
     prompt gets the tokenizer's usual special tokens (e.g. Llama 3's BOS; none for SmolLM2)."""
     text = render_prompt(request, style, tokenizer, template_kwargs, fmt)
     return tokenizer(text, add_special_tokens=style == "plain").input_ids
+
+
+def model_prompt_ids(request: ToolRequest, model: ModelConfig, tokenizer: Any) -> list[int]:
+    """Prompt token ids as the configured target reads them: its style, template kwargs and format."""
+    return prompt_ids(request, model.prompt_style, tokenizer, model.chat_template_kwargs, model.fmt)
 
 
 def response_ids(text: str, tokenizer: Any) -> list[int]:

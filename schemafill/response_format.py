@@ -54,6 +54,7 @@ class ResponseFormat:
     self_closing: bool  # the text after ``close`` ends the response; else the target's EOS does
     empty: str  # the reply when no tool fits
     template: str  # the format as prompts show it
+    grammar: bool = False  # decode.constrain and tool_choice required have a response grammar for it
     # tagged formats: the literal tags around each call (None: the calls sit in one JSON list)
     open_tag: str | None = None
     close_tag: str | None = None
@@ -158,6 +159,7 @@ JSON = ResponseFormat(
     self_closing=True,
     empty='{"' + KEY + '": []}',
     template='{"' + KEY + '": [' + CALL_EXAMPLE + ', ...]}',
+    grammar=True,
 )
 
 HERMES = ResponseFormat(

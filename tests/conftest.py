@@ -62,6 +62,22 @@ def smol_tokenizer(builtin_artifacts):
     return AutoTokenizer.from_pretrained(builtin_artifacts / "targets" / "smollm2-135m-base")
 
 
+def wandb_record(run_dir: Path, *needles: bytes, timeout: float = 60.0) -> bytes:
+    """An offline W&B run's protobuf log once it holds every one of ``needles`` (or after
+    ``timeout`` seconds): wandb-core may still be flushing it when ``finish()`` returns on a
+    loaded host (CI once read only its 7-byte header)."""
+    import time
+
+    log = next(run_dir.glob("run-*.wandb"))
+    deadline, record = time.monotonic() + timeout, b""
+    while time.monotonic() < deadline:
+        record = log.read_bytes()
+        if all(n in record for n in needles):
+            break
+        time.sleep(0.2)
+    return record
+
+
 def tiny_llama(vocab_size: int = 49152, seed: int = 0, **overrides):
     """A random-init Llama small enough for unit tests, with the built-in target's vocabulary."""
     import torch

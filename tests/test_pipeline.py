@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from schemafill import atomic
 from schemafill.toolcall import InvalidRequest
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wandb_record
 from train.run import run
 
 
@@ -112,14 +111,6 @@ def test_pipeline_run_is_tracked_with_wandb_offline(make_cfg, tmp_path):
     run(cfg)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    # offline runs keep config, history and summary in the run's protobuf log until `wandb sync`;
-    # wandb-core may still be flushing it when finish() returns on a loaded host (CI saw only the
-    # 7-byte header once), so read it until it holds what we logged or 60 s have passed
-    log = next(runs[0].glob("run-*.wandb"))
-    deadline, record = time.monotonic() + 60, b""
-    while time.monotonic() < deadline:
-        record = log.read_bytes()
-        if b"smollm2-135m" in record and b"git_sha" in record and b"requests/train" in record:
-            break
-        time.sleep(0.5)
+    # offline runs keep config, history and summary in the run's protobuf log until `wandb sync`
+    record = wandb_record(runs[0], b"smollm2-135m", b"git_sha", b"requests/train")
     assert b"smollm2-135m" in record and b"git_sha" in record and b"requests/train" in record, record[:200]

@@ -46,10 +46,9 @@ def test_hermes_parse_is_strict_about_what_surrounds_the_blocks():
     assert serialize_calls(calls, HERMES) == block and parse_response(block) is None  # not a json-format response
 
 
-@pytest.mark.parametrize("cut", range(0, 200, 7))
-def test_the_parser_sees_the_same_structure_through_either_wrapper(cut):
-    """Cut the json text anywhere inside a call object; the hermes text cut at the same place
-    of the same call parses to the same state, offsets moved by the wrappers' difference."""
+def test_the_parser_sees_the_same_structure_through_either_wrapper():
+    """Cut the json text at every character of each call object; the hermes text cut at the same
+    place of the same call parses to the same state, offsets moved by the wrappers' difference."""
     jtext, htext = JSON.serialize(CALLS), HERMES.serialize(CALLS)
     jcalls = [c.spans for c in response_layout(jtext)]
     hcalls = [c.spans for c in response_layout(htext, HERMES)]
@@ -57,18 +56,18 @@ def test_the_parser_sees_the_same_structure_through_either_wrapper(cut):
         [[htext[a:e] for _, a, e in spans] for spans in hcalls]
     j_starts = [jtext.index('{"name"', i) for i in (0, jtext.index("}}, ") + 3)]
     h_starts = [htext.index('{"name"', i) for i in (0, htext.index("</tool_call>"))]
-    for j_start, h_start, end in zip(j_starts, h_starts, (jtext.index("}}, ") + 2, len(jtext) - 2)):
-        at = j_start + cut
-        if at > end:
-            continue
-        js, hs = parse_prefix(jtext[:at]), parse_prefix(htext[:h_start + cut], HERMES)
+    ends = (jtext.index("}}, ") + 2, len(jtext) - 2)  # each call object's closing brace, included
+    for j_start, h_start, end in zip(j_starts, h_starts, ends):
         shift = h_start - j_start
         moved = lambda v: None if v is None else v + shift  # noqa: E731
-        assert hs.error is None and js.error is None
-        assert (hs.call_index, hs.tool_name, hs.field, hs.in_key, hs.in_value, hs.value_type, hs.fields_done) == \
-            (js.call_index, js.tool_name, js.field, js.in_key, js.in_value, js.value_type, js.fields_done)
-        assert (hs.value_start, hs.call_start) == (moved(js.value_start), moved(js.call_start))
-        assert [(k, a + shift, e + shift) for k, a, e in js.spans] == list(hs.spans)
+        for at in range(j_start, end + 1):
+            js, hs = parse_prefix(jtext[:at]), parse_prefix(htext[:at + shift], HERMES)
+            assert hs.error is None and js.error is None
+            assert (hs.call_index, hs.tool_name, hs.field, hs.in_key, hs.in_value, hs.value_type,
+                    hs.fields_done) == \
+                (js.call_index, js.tool_name, js.field, js.in_key, js.in_value, js.value_type, js.fields_done), at
+            assert (hs.value_start, hs.call_start) == (moved(js.value_start), moved(js.call_start))
+            assert [(k, a + shift, e + shift) for k, a, e in js.spans] == list(hs.spans)
 
 
 def test_valid_calls_are_checked_against_the_catalog_in_either_format():

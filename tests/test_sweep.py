@@ -8,11 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.conftest import ROOT, tiny_llama
+from tests.conftest import ROOT, tiny_llama, wandb_record
 
 
 @pytest.mark.slow
@@ -68,11 +67,7 @@ def test_a_sweep_runs_each_job_through_submitit_and_groups_their_wandb_runs(tmp_
     assert len(group) < 128  # a one-byte length
     expected = bytes([0x32, len(group)]) + group
     for run_dir in runs:
-        log = next(run_dir.glob("run-*.wandb"))
-        deadline, record = time.monotonic() + 60, b""
-        while time.monotonic() < deadline and expected not in record:
-            record = log.read_bytes()
-            time.sleep(0.2)
+        record = wandb_record(run_dir, expected)
         assert expected in record, record[:300]
 
 

@@ -15,8 +15,7 @@ import torch
 from schemafill.compose import compositions
 from schemafill.config import ModelConfig, TargetTrainConfig
 from schemafill.parser import closing_offsets
-from schemafill.prompt import prompt_ids, response_ids
-from schemafill.response_format import get_format
+from schemafill.prompt import model_prompt_ids, response_ids
 from schemafill.toolcall import ToolRequest, serialize_calls
 
 
@@ -44,11 +43,11 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
     if train.max_catalog > 0:  # a composition joins its parts' catalogs: trim the union too
         composed = [trim_catalog(r, train.max_catalog, rng) for r in composed]
     examples, too_long = [], 0
-    fmt = get_format(model.response_format)
+    fmt = model.fmt
     # a format whose text does not end the response is ended by EOS: the target must learn to write it
     end = [] if fmt.self_closing else [tokenizer.eos_token_id]
     for req in referenced + composed:
-        ids = prompt_ids(req, model.prompt_style, tokenizer, model.chat_template_kwargs, fmt)
+        ids = model_prompt_ids(req, model, tokenizer)
         text = serialize_calls(req.reference, fmt)
         resp = response_ids(text, tokenizer)
         if len(ids) + len(resp) + len(end) > train.max_seq_len:

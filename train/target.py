@@ -33,9 +33,8 @@ from schemafill.device import host_summary, resolve_device, use_bf16
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, write_manifest
 from schemafill.generate import generate, prefix_order
 from schemafill.models import load_config, load_model, load_tokenizer, target_dir
-from schemafill.prompt import prompt_ids
+from schemafill.prompt import model_prompt_ids
 from schemafill.records import read_requests
-from schemafill.response_format import get_format
 from schemafill.runtime import from_hf_model
 from schemafill.stopping import eos_token_ids
 from schemafill.toolcall import ToolRequest
@@ -103,9 +102,9 @@ def stratified(requests: list[ToolRequest], n: int, seed: int) -> list[ToolReque
 def measure_quality(model: Any, tokenizer: Any, requests: list[ToolRequest], cfg: PipelineConfig) -> tuple[dict, list]:
     """Greedy-decode ``requests`` and score the responses; requests over the context are rejected."""
     kept, prompts, rejected = [], [], []
-    fmt = get_format(cfg.model.response_format)
+    fmt = cfg.model.fmt
     for r in requests:
-        ids = prompt_ids(r, cfg.model.prompt_style, tokenizer, cfg.model.chat_template_kwargs, fmt)
+        ids = model_prompt_ids(r, cfg.model, tokenizer)
         if len(ids) + cfg.decode.max_new_tokens > cfg.model.max_context:
             rejected.append({"id": r.id, "reason": f"prompt of {len(ids)} tokens + cap does not fit the context"})
             continue

@@ -1,13 +1,17 @@
 """Alignment of the forecast with what MAIN realized (paper §4.3, DESIGN §4.5), between rounds.
 
 Each round MAIN's parse state says which call it is in and which of that call's fields it
-has written. The plans follow: the current call's plan is rebound to the tool MAIN chose;
+has written. The plans follow: the current call's plan is rebound to the tool MAIN chose
+(by its name; in formats that write the name after the arguments, first by the keys MAIN
+writes, ``rebind_by_keys``, then by the name when it comes);
 a SIDE branch whose call is over, whose field MAIN wrote, or whose plan changed tool is
 stale; new branches go to the current and next call, predicted keys first. A slot is a
 (call, key) pair. Pure: what changes is returned or written into the plans list given.
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 from infer.forecast import call_plan
 from infer.packer import CallPlan
@@ -35,6 +39,67 @@ def rebind(plans: list[CallPlan], j: int, tool: str, functions: dict[str, dict])
         return {}
     plans[j], plans[later] = plans[later], plans[j]
     return {j: later, later: j}
+
+
+def written_keys(text: str, state: ParseState) -> tuple[tuple[str, ...], str]:
+    """The argument keys MAIN has written in its current call (closed values, then the key
+    whose value is open or about to start), and the key it is writing, as typed so far
+    ("" when none)."""
+    keys = [k for k, _, _ in state.spans]
+    if state.field is not None and state.field not in keys:
+        keys.append(state.field)
+    partial = text[text.rfind('"') + 1:] if state.in_key else ""
+    return tuple(keys), partial
+
+
+def holds_keys(schema_keys: Iterable[str], keys: tuple[str, ...], partial: str = "") -> bool:
+    """A schema of ``schema_keys`` has every key in ``keys`` and, while one is typed
+    (``partial``), a further key starting with it."""
+    schema_keys = tuple(schema_keys)
+    return all(k in schema_keys for k in keys) and (
+        not partial or any(k.startswith(partial) and k not in keys for k in schema_keys))
+
+
+def _holds(fn: dict, keys: tuple[str, ...], partial: str) -> bool:
+    return holds_keys((fn.get("parameters") or {}).get("properties") or {}, keys, partial)
+
+
+def rebind_by_keys(plans: list[CallPlan], j: int, keys: tuple[str, ...], functions: dict[str, dict],
+                   partial: str = "") -> dict[int, int]:
+    """Before call j's name is written (formats that write it after the arguments), keep
+    ``plans[j]`` to a tool whose schema holds the argument ``keys`` MAIN wrote in it (and the
+    one it is typing, ``partial``), in place, like ``rebind`` does with a realized name.
+
+    Nothing changes while the plan's tool holds them. Else the plan is swapped with the
+    first later group whose tool holds them (the forecast's ranking decides among several;
+    branches and prepared values follow their plans); else, when exactly one catalog tool
+    holds them, it becomes a fresh plan that keeps the prepared values of the keys it shares
+    (in those formats a SIDE branch's context is the same text for every tool: it ends
+    before any name). When none, or several catalog tools and no later group, hold them,
+    the plans are left alone: the name settles it. With no plan for call j (more calls than
+    forecast groups) one is added when exactly one tool fits. Returns ``{old: new}`` call
+    moves, as ``rebind``. In name-first formats it is never needed (no key comes before the
+    name) and the decoder does not call it."""
+    if j < len(plans):
+        current = functions.get(plans[j].tool)
+        if current is not None and _holds(current, keys, partial):
+            return {}
+        later = next((g for g in range(j + 1, len(plans))
+                      if plans[g].tool in functions and _holds(functions[plans[g].tool], keys, partial)), None)
+        if later is not None:
+            plans[j], plans[later] = plans[later], plans[j]
+            return {j: later, later: j}
+    fits = [name for name, fn in functions.items() if _holds(fn, keys, partial)]
+    if len(fits) != 1:
+        return {}
+    fresh = call_plan(functions[fits[0]])
+    if j >= len(plans):
+        plans.extend(call_plan(functions[fits[0]]) for _ in range(j - len(plans)))
+        plans.append(fresh)
+        return {}
+    fresh.values.update({k: v for k, v in plans[j].values.items() if k in fresh.schema_keys})
+    plans[j] = fresh
+    return {}
 
 
 def is_stale(call: int, tool: str, key: str, current: int, realized: set[tuple[int, str]],

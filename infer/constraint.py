@@ -67,15 +67,47 @@ def json_schema(value: Any) -> Any:
     return out
 
 
-def response_schema(functions: list[dict], min_calls: int = 0) -> dict:
-    """The JSON Schema of a response that calls tools of ``functions``: any number of calls,
-    at least ``min_calls`` (1 for a server's ``tool_choice: required``)."""
-    calls = [{"type": "object",
-              "properties": {"name": {"const": fn["name"]},
-                             "arguments": json_schema(fn.get("parameters") or {"type": "object", "properties": {}})},
-              "required": ["name", "arguments"], "additionalProperties": False} for fn in functions]
-    calls_list = {"type": "array", "items": {"anyOf": calls}, **({"minItems": min_calls} if min_calls else {})}
+def call_schemas(functions: list[dict], fmt: ResponseFormat = JSON) -> list[dict]:
+    """The JSON Schema of one call of each tool of ``functions``, its keys in ``fmt``'s order
+    (a grammar keeps the schema's order)."""
+    out = []
+    for fn in functions:
+        props = {"name": {"const": fn["name"]},
+                 "arguments": json_schema(fn.get("parameters") or {"type": "object", "properties": {}})}
+        out.append({"type": "object", "properties": fmt.call_object(props),
+                    "required": ["name", "arguments"], "additionalProperties": False})
+    return out
+
+
+def response_schema(functions: list[dict], min_calls: int = 0, fmt: ResponseFormat = JSON) -> dict:
+    """The JSON Schema of a response that calls tools of ``functions`` (as the json format's
+    object; other formats' calls are read into one): any number of calls, at least
+    ``min_calls`` (1 for a server's ``tool_choice: required``)."""
+    calls_list = {"type": "array", "items": {"anyOf": call_schemas(functions, fmt)},
+                  **({"minItems": min_calls} if min_calls else {})}
     return {"type": "object", "properties": {KEY: calls_list}, "required": [KEY], "additionalProperties": False}
+
+
+def format_grammar(xgr: Any, tokenizer: Any, functions: list[dict], fmt: ResponseFormat, min_calls: int = 0) -> Any:
+    """The response grammar of a format other than json, as an xgrammar structural tag: its
+    header, calls (each the canonical JSON of one catalog call, as the json grammar writes
+    them) joined by its bridge, its closing; or, without ``min_calls``, its reply without
+    calls. A lead marker the vocabulary holds as one special token (Mistral's ``[TOOL_CALLS]``)
+    is that token, as the model writes it. EOS after a formats's closing is the grammar's end."""
+    from xgrammar import structural_tag as st
+
+    calls = {"anyOf": call_schemas(functions, fmt)}
+    call = st.GrammarFormat(grammar=str(xgr.Grammar.from_json_schema(
+        json.dumps(calls), any_whitespace=False, separators=SEPARATORS)))
+    head: list = [st.ConstStringFormat(value=fmt.header)]
+    if fmt.lead is not None:
+        marker = tokenizer.convert_tokens_to_ids(fmt.lead)
+        if marker is not None and marker != tokenizer.unk_token_id:  # one token of the vocabulary
+            head = [st.TokenFormat(token=marker), st.ConstStringFormat(value=fmt.header[len(fmt.lead):])]
+    more = st.StarFormat(content=st.SequenceFormat(elements=[st.ConstStringFormat(value=fmt.call_bridge), call]))
+    calls_text = st.SequenceFormat(elements=[*head, call, more, st.ConstStringFormat(value=fmt.close)])
+    root = calls_text if min_calls else st.OrFormat(elements=[calls_text, st.ConstStringFormat(value=fmt.empty)])
+    return st.StructuralTag(format=root)
 
 
 def minimal_value(schema: Any) -> Any:
@@ -103,14 +135,14 @@ def valid_response(text: str, functions: list[dict], min_calls: int = 0, fmt: Re
     import jsonschema
 
     try:
-        if fmt.open_tag is None:
-            obj = json.loads(text)
-        else:  # the blocks' calls, validated as the json format's list would be
+        if fmt.in_words:  # the format's calls, validated as the json format's list would be
             calls = fmt.parse(text.strip())
             if calls is None:
                 return False
             obj = {KEY: calls}
-        jsonschema.validate(obj, response_schema(functions, min_calls))
+        else:
+            obj = json.loads(text)
+        jsonschema.validate(obj, response_schema(functions, min_calls, fmt))
     except (ValueError, jsonschema.ValidationError):  # json.JSONDecodeError is a ValueError
         return False
     return True
@@ -132,14 +164,18 @@ def scan(state: tuple[bool, bool], piece: bytes) -> tuple[bool, bool]:
 class SchemaGrammars:
     """Compiled response grammars, one per catalog (requests sharing a catalog share it)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, close_at: int | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, close_at: int | None = None, fmt: ResponseFormat = JSON,
+                 stop_ids: frozenset[int] | None = None) -> None:
         """``close_at``: the response token from which a catalog whose longest call is 0
         tokens would start closing; each catalog starts earlier by the tokens of its longest
-        minimal call (``minimal_value``), as a call begun just then must still end."""
+        minimal call (``minimal_value``), as a call begun just then must still end.
+        ``stop_ids``: the target's EOS ids (default: the tokenizer's), which end a response in
+        formats that are not self-closing."""
         import xgrammar as xgr
 
-        self.xgr, self.vocab_size, self.close_at, self.tokenizer = xgr, vocab_size, close_at, tokenizer
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.xgr, self.vocab_size, self.close_at, self.tokenizer, self.fmt = xgr, vocab_size, close_at, tokenizer, fmt
+        stops = sorted(stop_ids) if stop_ids else None
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.pieces: list[bytes] = list(self.info.decoded_vocab[:vocab_size])
         # [3, V] closing tokens outside a string (only ']' and '}'), inside one ('"' first,
@@ -153,6 +189,8 @@ class SchemaGrammars:
                 self.closers[1, i] = piece[:1] == b'"'
             if b"," in piece and set(piece) <= set(b",]} "):
                 self.closers[2, i] = True
+        if not fmt.self_closing:  # after the closing text, the way out is EOS
+            self.closers[0, [i for i in self.info.stop_token_ids if i < vocab_size]] = True
         self.cache: dict[str, Any] = {}
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
@@ -160,16 +198,24 @@ class SchemaGrammars:
                    close_at: int | None | str = "launch") -> "Constraint":
         """The request's grammar state; ``enforce=False`` only prunes drafts (``Constraint``).
         ``close_at`` overrides the launch's for a request with its own length cap."""
-        schema = json.dumps(response_schema(functions, min_calls))  # keys in schema order: the grammar keeps it
+        schema = json.dumps(response_schema(functions, min_calls, self.fmt))  # keys in schema order: kept
         if schema not in self.cache:
             t = time.perf_counter()
-            self.cache[schema] = self.compiler.compile_json_schema(schema, any_whitespace=False,
-                                                                   separators=SEPARATORS)
+            if self.fmt.name == JSON.name:
+                self.cache[schema] = self.compiler.compile_json_schema(schema, any_whitespace=False,
+                                                                       separators=SEPARATORS)
+            else:
+                self.cache[schema] = self.compiler.compile_structural_tag(
+                    format_grammar(self.xgr, self.tokenizer, functions, self.fmt, min_calls))
             self.compile_seconds.append(time.perf_counter() - t)
         base = self.close_at if close_at == "launch" else close_at
         close_at = None
         if base is not None and enforce:
-            calls = [dumps({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}) for fn in functions]
+            # a tagged format's closing text must fit too (json's one "]}" token never counted:
+            # kept so, its constrained outputs stay as recorded)
+            tail = self.fmt.close if self.fmt.in_words else ""
+            calls = [dumps(self.fmt.call_object({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}))
+                     + tail for fn in functions]
             longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
             close_at = max(base - longest, 0)
         return Constraint(self.xgr, self.cache[schema], self.pieces, self.closers, close_at, enforce)
@@ -208,7 +254,10 @@ class Constraint:
 
     def _allowed(self, index: int, string: tuple[bool, bool]) -> torch.Tensor:
         """[V] the tokens allowed as response token ``index`` after the matcher's state, which
-        leaves the text inside a string or not (``string``, as ``scan`` tracks it)."""
+        leaves the text inside a string or not (``string``, as ``scan`` tracks it). Once the
+        matcher has taken EOS nothing follows, and nothing is masked."""
+        if self.matcher.is_terminated():
+            return torch.ones(self.vocab_size, dtype=torch.bool)
         self.matcher.fill_next_token_bitmask(self.bitmask)
         bits = (self.bitmask[0, :, None] >> self.shifts) & 1  # [W, 32]
         allowed = bits.reshape(-1)[: self.vocab_size].bool()
@@ -244,11 +293,12 @@ class Constraint:
                 if (out is not None and not out[row, tree_tokens[i]]) or not self.matcher.accept_token(tree_tokens[i]):
                     continue
                 allowed[i] = True
-                inner = string
-                if out is not None:
-                    inner = scan(string, self.pieces[tree_tokens[i]])
-                    out[1 + i] = self._allowed(self.count + depth, inner)
-                walk(i, 1 + i, depth + 1, inner)
+                if not self.matcher.is_terminated():  # after EOS nothing is committed: no row, no subtree
+                    inner = string
+                    if out is not None:
+                        inner = scan(string, self.pieces[tree_tokens[i]])
+                        out[1 + i] = self._allowed(self.count + depth, inner)
+                    walk(i, 1 + i, depth + 1, inner)
                 self.matcher.rollback(1)
 
         walk(ROOT, 0, 1, self.string)

@@ -171,10 +171,6 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
             hot = dataclasses.replace(cfg.decode, temperature=ec.temperature)
             sampled[dataset] = summarize([launch(dataset, f"temperature_{ec.temperature:g}", methods, hot)])
         methods = [m for m in ec.constrained_methods if m in ec.methods and m != "parallel_fill"]
-        if methods and not cfg.model.fmt.grammar:
-            print(f"[eval] Table 7 skipped: the response grammar exists for the json format only, "
-                  f"not {cfg.model.response_format!r}")
-            methods = []
         if methods:  # the same requests with the response grammar on (or off, when the main launch had it)
             flipped = dataclasses.replace(cfg.decode, constrain=other)
             compared[dataset] = {mode: {m: v for m, v in metrics[dataset].items() if m in methods},

@@ -20,7 +20,6 @@ ties differently.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 

@@ -8,6 +8,7 @@ asked for, in its response format (``schemafill.response_format``)::
 
     {"tool_calls": [{"name": "t", "arguments": {"k": v, ...}}, ...]}    # json
     <tool_call>\n{"name": "t", "arguments": {...}}\n</tool_call>\n...     # hermes
+    <tool_call>\n{"arguments": {...}, "name": "t"}\n</tool_call>\n...     # hermes3
 
 from the start of the current call — realized name and realized values as MAIN wrote
 them, then predicted keys with prepared values — and proposes whatever of it extends the
@@ -17,7 +18,12 @@ own tree still runs, and the target decides every token either way.
 
 Decisions: a partially written key is completed with the first predicted key, then any
 schema key, that starts with it; after the last predicted call the list is closed; with
-``cross_calls`` off (ablation C) the proposal stops at the end of the current call.
+``cross_calls`` off (ablation C) the proposal stops at the end of the current call. In a
+format that writes a call's name after its arguments (``hermes3``) the call is the plan's
+tool until its name is written (``align.rebind_by_keys`` keeps that plan in line with the
+keys MAIN writes), and once MAIN closes the arguments before the predicted keys ran out,
+the call goes on from its realized fields to the name (name-first formats keep proposing
+nothing there, as before).
 Beyond the paper, a value still being prepared may be given as ``provisional`` text, keyed
 by (call, key) (what its SIDE branch has so far): the proposal then runs through it and stops there, so MAIN
 can catch up with a long value its branch started rounds earlier instead of re-drafting
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemafill.parser import ParseState
-from schemafill.response_format import CALL_CLOSE, FIELD_BRIDGE, JSON, ResponseFormat, call_header, dumps
+from schemafill.response_format import FIELD_BRIDGE, JSON, ResponseFormat, dumps
 
 
 @dataclass(frozen=True)
@@ -46,22 +52,23 @@ BRIDGE, VALUE, PROVISIONAL = "bridge", "value", "provisional"
 Piece = tuple[str | None, str]  # (text, kind); text None where a value is unknown
 
 
-def _call_pieces(tool: str, fields: list[tuple[str, str | None]],
+def _call_pieces(fmt: ResponseFormat, tool: str, fields: list[tuple[str, str | None]],
                  provisional: dict[str, str] | None = None) -> list[Piece]:
-    """Text pieces of one call; None where a value is unknown (the proposal stops there,
-    after the value's provisional prefix if it has one)."""
-    out: list[Piece] = [(call_header(tool), BRIDGE)]
+    """Text pieces of one call in ``fmt``'s key order (its name before or after its
+    arguments); None where a value is unknown (the proposal stops there, after the value's
+    provisional prefix if it has one)."""
+    out: list[Piece] = [(fmt.call_header(tool), BRIDGE)]
     for i, (key, value) in enumerate(fields):
         out.append(((FIELD_BRIDGE if i else "") + dumps(key) + ": ", BRIDGE))
         if value is None and provisional and key in provisional:
             out.append((provisional[key], PROVISIONAL))
         out.append((value, VALUE))
-    out.append((CALL_CLOSE, BRIDGE))
+    out.append((fmt.call_close(tool), BRIDGE))
     return out
 
 
-def _plan_pieces(plan: CallPlan, provisional: dict[str, str] | None) -> list[Piece]:
-    return _call_pieces(plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional)
+def _plan_pieces(fmt: ResponseFormat, plan: CallPlan, provisional: dict[str, str] | None) -> list[Piece]:
+    return _call_pieces(fmt, plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional)
 
 
 def _join(pieces: list[Piece]) -> tuple[str, list[str]]:
@@ -128,49 +135,68 @@ def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_ca
         if fields is None:
             return "", []
         # a provisional value MAIN has already run past proposes nothing (no prefix match)
-        base, pieces, nxt = text[:state.call_start], _call_pieces(tool, fields, ahead.get(j)), j + 1
-    elif state.calls_started:  # between calls: after the "}" of the last one
+        base, nxt = text[:state.call_start], j + 1
+        found = _extend(text, base, _call_pieces(fmt, tool, fields, ahead.get(j)), nxt, plans, ahead, cross_calls, fmt)
+        if found is None and not fmt.name_first:
+            # an args-first call whose arguments MAIN closed (or is closing) before the
+            # predicted keys: its realized fields, then the name and what follows
+            realized = list(_realized(text, state))
+            if realized != fields:
+                found = _extend(text, base, _call_pieces(fmt, tool, realized, ahead.get(j)), nxt, plans, ahead,
+                                cross_calls, fmt)
+        return found or ("", [])
+    if state.calls_started:  # between calls: after the "}" of the last one
         base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
     else:  # no call yet
         base, pieces, nxt = "", [(fmt.header, BRIDGE)], 0
         if nxt < len(plans):
-            pieces += _plan_pieces(plans[0], ahead.get(0))
+            pieces += _plan_pieces(fmt, plans[0], ahead.get(0))
             nxt = 1
+    return _extend(text, base, pieces, nxt, plans, ahead, cross_calls, fmt) or ("", [])
+
+
+def _extend(text: str, base: str, pieces: list[Piece], nxt: int, plans: list[CallPlan],
+            ahead: dict[int, dict[str, str]], cross_calls: bool, fmt: ResponseFormat
+            ) -> tuple[str, list[str]] | None:
+    """``base`` + ``pieces`` (then, across calls, the plans from ``nxt`` on and the closing)
+    past ``text``, with each character's kind; None when that text does not extend ``text``."""
     if cross_calls or not pieces or pieces == [(fmt.header, BRIDGE)]:
+        pieces = list(pieces)
         for j in range(nxt, len(plans)):
-            pieces += [(fmt.call_bridge, BRIDGE)] + _plan_pieces(plans[j], ahead.get(j))
+            pieces += [(fmt.call_bridge, BRIDGE)] + _plan_pieces(fmt, plans[j], ahead.get(j))
         pieces.append((fmt.close, BRIDGE))
     joined, kinds = _join(pieces)
     predicted = base + joined
     if not predicted.startswith(text):
-        return "", []
+        return None
     kinds = [BRIDGE] * len(base) + kinds
     return predicted[len(text):], kinds[len(text):]
 
 
 def token_kinds(tokenizer: Any, committed: list[int], text: str, suffix: str, kinds: list[str],
-                ids: list[int]) -> list[str]:
+                ids: list[int], fmt: ResponseFormat = JSON) -> list[str]:
     """The kind of each token of ``ids`` (``continuation_ids`` of ``suffix``): the riskiest kind
     among the characters it covers (provisional over value over bridge)."""
     rank = {BRIDGE: 0, VALUE: 1, PROVISIONAL: 2}
     # character offsets from a short tail of the committed tokens: decoding the whole response
     # per token would cost more than the tags are worth (a tag only steers the estimates)
     tail = committed[-4:]
-    start = len(tokenizer.decode(tail, skip_special_tokens=True))
+    start = len(fmt.decode(tokenizer, tail))
     out, done = [], 0
     for j in range(len(ids)):
-        end = len(tokenizer.decode(tail + ids[: j + 1], skip_special_tokens=True)) - start
+        end = len(fmt.decode(tokenizer, tail + ids[: j + 1])) - start
         span = kinds[max(done, 0):max(end, done + 1)] or kinds[-1:] or [BRIDGE]
         out.append(max(span, key=rank.__getitem__))
         done = end
     return out
 
 
-def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str) -> list[int]:
+def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str,
+                     fmt: ResponseFormat = JSON) -> list[int]:
     """Tokens for ``suffix`` after ``committed`` (whose text the packer saw as ``text``) as the
     whole response would be tokenised (BPE merges across the boundary), falling back to
     the suffix alone; nothing while the parsed text lags (a split multi-byte character)."""
-    if not suffix or tokenizer.decode(committed, skip_special_tokens=True) != text:
+    if not suffix or fmt.decode(tokenizer, committed) != text:
         return []
     full = tokenizer(text + suffix, add_special_tokens=False).input_ids
     if full[: len(committed)] == committed and len(full) > len(committed):

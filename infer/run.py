@@ -14,7 +14,6 @@ context are named in ``<out>/skipped.jsonl`` and the rest are decoded.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -96,7 +95,8 @@ def run(cfg: InferConfig) -> dict:
     d_cfg = cfg.decode
     # compiled once per catalog, before any timing; Parallel Fill is not constrained
     close_at = d_cfg.max_new_tokens - d_cfg.close_margin if d_cfg.close_margin else None
-    grammars = SchemaGrammars(tokenizer, target.config.vocab_size, close_at) if d_cfg.constrain != "none" else None
+    grammars = (SchemaGrammars(tokenizer, target.config.vocab_size, close_at, cfg.model.fmt, eos)
+                if d_cfg.constrain != "none" else None)
     enforce = d_cfg.constrain == "schema"
     constraints = (lambda r: grammars.constraint(r.functions, enforce)) if grammars else (lambda r: None)
     out = Path(cfg.out)

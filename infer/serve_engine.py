@@ -99,9 +99,9 @@ class Engine:
         decoders.check(methods, 0.0)
         self.cfg = cfg
         device = resolve_device(cfg.device)
-        self.target, self.tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
+        self.target, self.tokenizer, self.eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
         self.fmt = cfg.model.fmt
-        ctx = DecoderContext(self.target, self.tokenizer, eos, cfg.decode,
+        ctx = DecoderContext(self.target, self.tokenizer, self.eos, cfg.decode,
                              cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name), fmt=self.fmt)
         self.decoders = decoders.build(methods, ctx)
         name = cfg.model.name
@@ -124,7 +124,7 @@ class Engine:
     @property
     def grammars(self) -> SchemaGrammars:
         if self._grammars is None:  # xgrammar and the vocabulary's tables: only once a request needs them
-            self._grammars = SchemaGrammars(self.tokenizer, self.target.config.vocab_size)
+            self._grammars = SchemaGrammars(self.tokenizer, self.target.config.vocab_size, fmt=self.fmt, stop_ids=self.eos)
         return self._grammars
 
     def prepare(self, chat: ChatRequest) -> Job:
@@ -141,9 +141,6 @@ class Engine:
                            "context_length_exceeded")
         constraint = None
         close_at = cap - d.close_margin if d.close_margin else None
-        if chat.constrained and not self.fmt.grammar:
-            raise APIError(400, f"tool_choice {chat.tool_choice!r} needs the response grammar, which exists for the "
-                                f"json format only; this target answers in {self.fmt.name!r}", "tool_choice")
         try:
             if chat.constrained:  # always a valid call of the allowed tools: lossless against constrained AR
                 constraint = self.grammars.constraint(chat.grammar_functions, True, min_calls=1, close_at=close_at)
@@ -207,7 +204,7 @@ class Engine:
         """The response text an answer is made of, the same for every prefix a stream sees and
         for the finished response: no clean-up of spaces (which revises earlier text when a
         later token arrives), and, until ``final``, no multi-byte character still split."""
-        text = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = self.fmt.decode(self.tokenizer, ids, clean_up_tokenization_spaces=False)
         return text if final else text.rstrip("\ufffd")
 
     def close(self) -> None:

@@ -8,6 +8,10 @@ token (the target's previous choice for it) and, with ``side_depth`` 1, the head
 draft after it; the target's choice there is its next token, under the branch's own
 context only. A value is *prepared* when its literal closes; it is then offered to the
 packer and the branch is freed. Nothing of a branch is ever emitted or moved into MAIN.
+In a format that writes a call's name after its arguments (``hermes3``) the context ends
+before any name: it is the same text for every tool, so siblings of all tools share one
+trunk, and a branch stays with its call when the plan is rebound to another tool with its
+key (in name-first formats its context names the tool, and it retires).
 Parallel Fill generates its values under the same private contexts.
 """
 
@@ -21,7 +25,7 @@ from infer.packer import CallPlan
 from infer.session import Segment, Verified
 from schemafill.generate import common_prefix
 from schemafill.parser import parse_prefix
-from schemafill.response_format import JSON, ResponseFormat, call_header
+from schemafill.response_format import JSON, ResponseFormat
 
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"]
 
@@ -105,7 +109,7 @@ class SideContexts:
         """Segments that compute ``b``'s context (a new trunk first, if one is needed); None
         when the pool is full (try again next round)."""
         ids = self._ids(b.hint + b.header)
-        shared = common_prefix(ids, self._ids(b.hint + self.fmt.header + call_header(b.tool)))
+        shared = common_prefix(ids, self._ids(b.hint + self.fmt.header + self.fmt.call_header(b.tool)))
         shared = min(shared, len(ids) - 1)  # the branch keeps at least its last token: its choice is the value's start
         segments = []
         key = tuple(ids[:shared])
@@ -257,6 +261,9 @@ class SideBranches:
     def retire_stale(self, plans: list[CallPlan], current: int, realized: set[tuple[int, str]]) -> None:
         kept = []
         for b in self.branches:
+            if b.call < len(plans) and plans[b.call].tool != b.tool and b.field in plans[b.call].schema_keys \
+                    and self.fmt.field_prefix(plans[b.call].tool, b.field) == b.header:
+                b.tool = plans[b.call].tool  # a name-last format: the same context prepares the new plan's value
             if is_stale(b.call, b.tool, b.field, current, realized, plans):
                 self.contexts.free(b)
                 self.done.add((b.call, b.field))

@@ -36,7 +36,8 @@ class ModelConfig:
     max_context: int = 8192  # requests whose prompt + response cap exceed this are rejected, not truncated
     finetune: bool = False  # the `target` stage fine-tunes this model into a tool caller (built-in target)
     # how the target writes its calls (schemafill/response_format.py): json = the paper's
-    # {"tool_calls": [...]}; hermes = <tool_call> blocks, as Qwen2.5/Qwen3/Hermes-3 answer
+    # {"tool_calls": [...]}; hermes = <tool_call> blocks, as Qwen2.5/Qwen3 answer; hermes3 = the
+    # same, "arguments" before "name" (Hermes-3); mistral = [TOOL_CALLS] [...] (Mistral v0.3)
     response_format: str = "json"
 
     @property
@@ -299,14 +300,6 @@ class PipelineConfig:
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; the stages are {list(STAGES)}")
-        check_grammar(self.model, self.decode)
-
-
-def check_grammar(model: ModelConfig, decode: DecodeConfig) -> None:
-    """The response grammar (``decode.constrain``) exists for the formats that have one (json)."""
-    if decode.constrain != "none" and not model.fmt.grammar:
-        raise ValueError(f"decode.constrain={decode.constrain} compiles the json format's grammar; "
-                         f"model.response_format={model.response_format} has none yet (use decode.constrain=none)")
 
 
 @dataclass
@@ -338,7 +331,6 @@ class InferConfig:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
         if self.sample not in ("spread", "first"):
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
-        check_grammar(self.model, self.decode)
 
 
 @dataclass
@@ -364,7 +356,6 @@ class ServeConfig:
             raise ValueError(f"queue_size must be 0 or more, got {self.queue_size}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0-65535, got {self.port}")
-        check_grammar(self.model, self.decode)
 
 
 def register_configs() -> None:

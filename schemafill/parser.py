@@ -2,7 +2,8 @@
 
 Owns one question: given the text committed so far, where are we in
 ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` (or in the calls of another
-``ResponseFormat``: hermes' ``<tool_call>`` blocks read as that same list)? The SchemaFill
+``ResponseFormat``: hermes' ``<tool_call>`` blocks, or mistral's list after its marker, read as
+that same list)? The SchemaFill
 decoder asks it after every round (which call, which tool, which field, inside a
 value or in structural text, is the outer object closed) and SIDE branches ask it
 when a drafted value literal has closed.
@@ -10,8 +11,9 @@ when a drafted value literal has closed.
 It is a character-level JSON pushdown automaton, so it accepts any whitespace and
 any key order the target chooses, and is fed text incrementally (``feed``) so a
 decode loop pays only for the new characters. A tagged format's tags are matched as
-literals outside the call objects and stand for the list's brackets and commas, so every
-offset still counts characters of the real response. Pure: standard library only.
+literals outside the call objects and stand for the list's brackets and commas, and a lead
+format's marker is a literal before its list, so every offset still counts characters of the
+real response. Pure: standard library only.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class ToolCallParser:
 
     def __init__(self, fmt: ResponseFormat = JSON) -> None:
         self._fmt = fmt
-        # tagged formats, outside the call objects: start | call | after_call | between
+        # tagged formats, outside the call objects: start | call | after_call | between;
+        # lead formats: start | lead (the marker read) | list
         self._outer = "start"
         self._tag: tuple[str, int] | None = None  # (literal tag being matched, characters matched)
         self._stack: list[_Frame] = []
@@ -134,6 +137,9 @@ class ToolCallParser:
     def _structural(self, ch: str) -> None:
         if self._fmt.open_tag is not None and self._outer != "call":
             self._between_tags(ch)
+            return
+        if self._fmt.lead is not None and self._outer != "list":
+            self._before_list(ch)
             return
         if ch in _WHITESPACE:
             return
@@ -203,6 +209,32 @@ class ToolCallParser:
             self._tag_closed(expected)
         else:
             self._tag = (expected, 1)
+
+    def _before_list(self, ch: str) -> None:
+        """A lead format before its list: whitespace, the lead marker as a literal, whitespace,
+        and the list's ``[``, which stands where the json format's list opens."""
+        lead = self._fmt.lead
+        if self._tag is not None:  # inside the marker
+            matched = self._tag[1]
+            if ch != lead[matched]:
+                self._fail(f"expected {lead!r}")
+            elif matched + 1 < len(lead):
+                self._tag = (lead, matched + 1)
+            else:
+                self._tag, self._outer = None, "lead"
+        elif ch in _WHITESPACE:
+            return
+        elif self._outer == "start":
+            if ch != lead[0]:
+                self._fail(f"expected {lead!r}, got {ch!r}")
+            else:
+                self._tag = (lead, 1)
+        elif ch != "[":
+            self._fail(f"expected '[', got {ch!r}")
+        else:
+            self._outer = "list"
+            self._stack = [_Frame("obj", "value", key=KEY)]
+            self._start_value(ch)
 
     def _tag_closed(self, tag: str) -> None:
         if tag == self._fmt.close_tag:
@@ -317,6 +349,10 @@ class ToolCallParser:
             self._root_closed_object = self._root_is_object
             return
         self._stack[-1].state = "comma_or_end"
+        if self._fmt.lead is not None and len(self._stack) == 1:  # the list closed, and with it the response
+            self._stack.pop()
+            self._root_done = self._root_closed_object = True
+            return
         if self._fmt.open_tag is not None and len(self._stack) == 2:
             self._outer = "after_call"  # the value between two tags is complete: the close tag comes next
 

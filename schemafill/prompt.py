@@ -26,17 +26,19 @@ INSTRUCTIONS = (
     "from this catalog (one JSON schema per line):"
 )
 
-# how each response format is asked for: the reply's shape, and the reply when no tool fits
+# how each kind of response format is asked for: the reply's shape, and the reply when no tool fits
 _SHAPES = {
-    "json": ("Reply with exactly one JSON object and nothing else, in this format:\n{template}\n"
-             "Add one entry per call", "If no tool fits, reply {empty}."),
-    "hermes": ("Reply with one block per call and nothing else, each in this format:\n{template}\n"
+    "object": ("Reply with exactly one JSON object and nothing else, in this format:\n{template}\n"
+               "Add one entry per call", "If no tool fits, reply {empty}."),
+    "tagged": ("Reply with one block per call and nothing else, each in this format:\n{template}\n"
                "Write one block per call, one after another", "If no tool fits, reply in words: {empty}"),
+    "lead": ("Reply with the calls and nothing else, in this format:\n{template}\n"
+             "Add one entry per call", "If no tool fits, reply in words: {empty}"),
 }
 
 
 def format_instructions(fmt: ResponseFormat = JSON) -> str:
-    shape, empty = _SHAPES[fmt.name]
+    shape, empty = _SHAPES["tagged" if fmt.open_tag is not None else "lead" if fmt.lead is not None else "object"]
     return (shape.format(template=fmt.template)
             + ", in the order the calls should run; a request may need several calls, "
             "of the same or different tools. Use only tools and arguments from the catalog. "
@@ -97,15 +99,16 @@ def render_chat(request: ToolRequest, tokenizer: Any, template_kwargs: dict | No
 def render_tools(request: ToolRequest, tokenizer: Any, template_kwargs: dict | None = None,
                  fmt: ResponseFormat = JSON) -> str:
     """The conversation through the target's own chat template with the catalog as ``tools=``;
-    a ChatML tokenizer whose template has no tools gets ours (hermes blocks)."""
+    a ChatML tokenizer whose template has no tools gets ours (for the tagged formats' blocks)."""
     messages = [{"role": m["role"], "content": m["content"]} for m in request.messages]
     kwargs = {"tokenize": False, "add_generation_prompt": True, **(template_kwargs or {})}
     if takes_tools(tokenizer):
         return tokenizer.apply_chat_template(messages, tools=request.tools, **kwargs)
-    if fmt.name == "hermes" and is_chatml(tokenizer):
-        return tokenizer.apply_chat_template(messages, tools=request.tools, chat_template=CHATML_TOOLS, **kwargs)
+    if fmt.open_tag is not None and is_chatml(tokenizer):
+        return tokenizer.apply_chat_template(messages, tools=request.tools, chat_template=CHATML_TOOLS,
+                                             call_format=fmt.template, **kwargs)
     raise ValueError(f"prompt_style=tools needs a chat template that takes tools=; this tokenizer's has none, and "
-                     f"ours writes ChatML turns asking for hermes blocks (response_format={fmt.name}): "
+                     f"ours writes ChatML turns asking for <tool_call> blocks (response_format={fmt.name}): "
                      "use model.prompt_style=plain or chat")
 
 

@@ -5,8 +5,13 @@ Every format wraps the same call objects, ``{"name": "t", "arguments": {"k": v, 
 
 * ``json`` — the paper's and the built-in target's: one object holding the list of calls,
   ``{"tool_calls": [call, call]}``; the response ends with its closing brace.
-* ``hermes`` — what Qwen2.5/Qwen3/Hermes-3 write and vLLM's ``hermes`` parser reads: one
+* ``hermes`` — what Qwen2.5/Qwen3 write and vLLM's ``hermes`` parser reads: one
   ``<tool_call>\\ncall\\n</tool_call>`` block per call, one per line; EOS ends the response.
+* ``hermes3`` — the same blocks with each call's ``"arguments"`` before its ``"name"``, the
+  order Hermes-2-Pro's and Hermes-3's chat templates ask for.
+* ``mistral`` — what Mistral-7B-Instruct-v0.3 writes and vLLM's ``mistral`` parser reads:
+  ``[TOOL_CALLS] [call, call]``, the lead marker (a control token of Mistral's vocabulary)
+  before one JSON list; the list's closing bracket ends the response.
 
 A format is the header before the first call, the bridge between two calls, the closing
 after the last, and what follows from them: the serializer, the context a SIDE branch (and
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 KEY = "tool_calls"  # the json format's list key
@@ -38,9 +43,7 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=SEPARATORS)
 
 
-def call_header(tool: str) -> str:
-    """A call of ``tool`` up to its first argument's key."""
-    return '{"name": ' + dumps(tool) + ', "arguments": {'
+ARGS_FIRST_EXAMPLE = '{"arguments": {"<argument>": <JSON value>, ...}, "name": "<tool name>"}'
 
 
 @dataclass(frozen=True)
@@ -54,32 +57,68 @@ class ResponseFormat:
     self_closing: bool  # the text after ``close`` ends the response; else the target's EOS does
     empty: str  # the reply when no tool fits
     template: str  # the format as prompts show it
-    grammar: bool = False  # decode.constrain and tool_choice required have a response grammar for it
     # tagged formats: the literal tags around each call (None: the calls sit in one JSON list)
     open_tag: str | None = None
     close_tag: str | None = None
+    # list formats: the marker before the JSON list of calls (None: the json format's object)
+    lead: str | None = None
+    name_first: bool = True  # each call's "name" before its "arguments" (False: after them)
 
     @property
     def marker(self) -> str:
         """The text a tool-call response starts with (``is_calls``)."""
-        return self.open_tag if self.open_tag is not None else self.header
+        return self.open_tag or self.lead or self.header
+
+    @property
+    def in_words(self) -> bool:
+        """A reply without calls is free text (tagged and lead formats), not an empty list."""
+        return self.open_tag is not None or self.lead is not None
+
+    def call_header(self, tool: str) -> str:
+        """A call of ``tool`` up to its first argument's key (name-last formats: without it)."""
+        if self.name_first:
+            return '{"name": ' + dumps(tool) + ', "arguments": {'
+        return '{"arguments": {'
+
+    def call_close(self, tool: str) -> str:
+        """A call of ``tool`` from the end of its last argument's value to its closing brace."""
+        return CALL_CLOSE if self.name_first else '}, "name": ' + dumps(tool) + "}"
+
+    def call_object(self, call: dict) -> dict:
+        """``call`` (``{"name": ..., "arguments": {...}}``) with its keys in this format's order."""
+        order = ("name", "arguments") if self.name_first else ("arguments", "name")
+        return {k: call[k] for k in order if k in call} | {k: v for k, v in call.items() if k not in order}
 
     def serialize(self, calls: list[dict]) -> str:
         """The response text of ``calls`` (each ``{"name": ..., "arguments": {...}}``)."""
-        if not calls and self.open_tag is not None:
+        if not calls and self.in_words:
             return self.empty
-        return self.header + self.call_bridge.join(dumps(c) for c in calls) + self.close
+        return self.header + self.call_bridge.join(dumps(self.call_object(c)) for c in calls) + self.close
 
     def field_prefix(self, tool: str, key: str) -> str:
         """The response text a first call of ``tool`` has up to ``key``'s colon: the context a
         SIDE branch (and Parallel Fill) writes the key's value after."""
-        return self.header + call_header(tool) + dumps(key) + ":"
+        return self.header + self.call_header(tool) + dumps(key) + ":"
+
+    def decode(self, tokenizer: Any, ids: list[int], **kwargs: Any) -> str:
+        """The response text of token ``ids``: special tokens dropped, but for this format's
+        lead marker, which the parser must see where a vocabulary holds it as a control token
+        (Mistral's ``[TOOL_CALLS]``; vLLM's mistral parser keeps special tokens for it too).
+        ``kwargs`` go to ``tokenizer.decode``."""
+        if self.lead is not None:
+            marker = tokenizer.convert_tokens_to_ids(self.lead)
+            if marker is not None and marker != tokenizer.unk_token_id and marker in ids:
+                added = getattr(tokenizer, "added_tokens_decoder", {})
+                special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+                drop = special - {marker}
+                return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False, **kwargs)
+        return tokenizer.decode(ids, skip_special_tokens=True, **kwargs)
 
     def is_calls(self, text: str) -> bool | None:
         """True when ``text`` is a tool-call response, False when it is not, None while it is
-        still a prefix of the marker and could become either (tagged formats: after any
-        whitespace, as their parsers read them)."""
-        if self.open_tag is not None:
+        still a prefix of the marker and could become either (tagged and lead formats: after
+        any whitespace, as their parsers read them)."""
+        if self.in_words:
             text = text.lstrip(_WS)
         if text.startswith(self.marker):
             return True
@@ -94,7 +133,16 @@ class ResponseFormat:
 
     def parse(self, text: str) -> list | None:
         """The call objects of a complete response (unvalidated), [] for a reply without calls
-        in a tagged format, or None when the text is not one well-formed response."""
+        in a tagged or lead format, or None when the text is not one well-formed response."""
+        if self.lead is not None:
+            text = text.strip(_WS)
+            if not text.startswith(self.lead):
+                return [] if self.lead not in text else None  # a reply in words, or text before the calls
+            try:
+                calls = json.loads(text[len(self.lead):])
+            except ValueError:
+                return None
+            return calls if isinstance(calls, list) else None
         if self.open_tag is None:
             try:
                 obj = json.loads(text)
@@ -121,9 +169,18 @@ class ResponseFormat:
         reading stops quietly where the text stops being a response."""
         calls: list[CallSpan] = []
         if self.open_tag is None:
-            if not text.startswith(self.header):
+            if self.lead is not None:  # the marker, then the list's "[" after any whitespace
+                i = _skip_ws(text, 0)
+                if not text.startswith(self.lead, i):
+                    return calls
+                i = _skip_ws(text, i + len(self.lead))
+                if not text.startswith("[", i):
+                    return calls
+                i += 1
+            elif not text.startswith(self.header):
                 return calls
-            i = len(self.header)
+            else:
+                i = len(self.header)
             while True:
                 i = _skip_ws(text, i)
                 if i < len(text) and text[i] == ",":
@@ -159,7 +216,6 @@ JSON = ResponseFormat(
     self_closing=True,
     empty='{"' + KEY + '": []}',
     template='{"' + KEY + '": [' + CALL_EXAMPLE + ', ...]}',
-    grammar=True,
 )
 
 HERMES = ResponseFormat(
@@ -174,7 +230,25 @@ HERMES = ResponseFormat(
     close_tag="</tool_call>",
 )
 
-FORMATS = {f.name: f for f in (JSON, HERMES)}
+HERMES3 = replace(
+    HERMES,
+    name="hermes3",
+    template="<tool_call>\n" + ARGS_FIRST_EXAMPLE + "\n</tool_call>",
+    name_first=False,
+)
+
+MISTRAL = ResponseFormat(
+    name="mistral",
+    header="[TOOL_CALLS] [",
+    call_bridge=", ",
+    close="]",
+    self_closing=True,
+    empty="None of the available tools can do that.",
+    template="[TOOL_CALLS] [" + CALL_EXAMPLE + ", ...]",
+    lead="[TOOL_CALLS]",
+)
+
+FORMATS = {f.name: f for f in (JSON, HERMES, HERMES3, MISTRAL)}
 
 
 def get_format(name: str) -> ResponseFormat:

@@ -35,7 +35,7 @@ class ResponseStop:
 
     @property
     def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self.fmt.decode(self.tokenizer, self.ids)
 
     @property
     def parser(self) -> ToolCallParser:
@@ -71,7 +71,7 @@ class ResponseStop:
             self.reason = "closed"
 
     def _feed_text(self) -> None:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.fmt.decode(self.tokenizer, self.ids)
         if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
             return
         if not text.startswith(self._fed):  # detokenization revised earlier text: parse afresh

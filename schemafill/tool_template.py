@@ -1,8 +1,9 @@
 """Our chat template for targets whose own template has no tools (the built-in SmolLM2's):
-ChatML turns, the catalog in the system turn, calls as hermes ``<tool_call>`` blocks, tool
-results in ``<tool_response>`` blocks. Written for this project in the layout Qwen2.5 and
-Hermes-3 use, so a target fine-tuned on it answers as those models do (``prompt_style=tools``
-with ``response_format=hermes``). Rendered by the tokenizer's own ``apply_chat_template``.
+ChatML turns, the catalog in the system turn, calls as ``<tool_call>`` blocks (the tagged
+format's own block, given as ``call_format``: hermes or hermes3), tool results in
+``<tool_response>`` blocks. Written for this project in the layout Qwen2.5 and Hermes-3 use,
+so a target fine-tuned on it answers as those models do (``prompt_style=tools`` with
+``response_format=hermes``). Rendered by the tokenizer's own ``apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ You can call the tools below, one JSON schema per line:
 </tools>
 
 To call tools, reply with one block per call, in the order the calls should run, and nothing else:
-<tool_call>
-{"name": "<tool name>", "arguments": {"<argument>": <JSON value>, ...}}
-</tool_call>
+{{ call_format }}
 {%- endif %}
 <|im_end|>
 {% for message in turns %}

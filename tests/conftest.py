@@ -62,6 +62,17 @@ def smol_tokenizer(builtin_artifacts):
     return AutoTokenizer.from_pretrained(builtin_artifacts / "targets" / "smollm2-135m-base")
 
 
+@pytest.fixture(scope="session")
+def marker_tokenizer(builtin_artifacts):
+    """The built-in tokenizer with ``[TOOL_CALLS]`` as one special token (id 49152), as Mistral
+    v0.3's vocabulary holds it: a plain decode drops it, the mistral format must not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(builtin_artifacts / "targets" / "smollm2-135m-base")
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    return tok
+
+
 def wandb_record(run_dir: Path, *needles: bytes, timeout: float = 60.0) -> bytes:
     """An offline W&B run's protobuf log once it holds every one of ``needles`` (or after
     ``timeout`` seconds): wandb-core may still be flushing it when ``finish()`` returns on a

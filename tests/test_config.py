@@ -132,13 +132,15 @@ def test_bad_decode_values_are_named():
         to_dataclass(compose(["decode.ablation=E", "logger=none"]))
 
 
-def test_the_response_format_is_named_and_the_grammar_needs_json():
+def test_the_response_format_is_named_and_each_real_target_answers_in_its_own():
     assert to_dataclass(compose([])).model.response_format == "json"
     assert to_dataclass(compose(["model.response_format=hermes"])).model.response_format == "hermes"
-    with pytest.raises(Exception, match=r"model.response_format must be one of \['hermes', 'json'\], got 'xml'"):
+    with pytest.raises(Exception, match=r"model.response_format must be one of \['hermes', 'hermes3', 'json', "
+                                        r"'mistral'\], got 'xml'"):
         to_dataclass(compose(["model.response_format=xml"]))
-    with pytest.raises(Exception, match="decode.constrain=schema compiles the json format's grammar"):
-        to_dataclass(compose(["model.response_format=hermes", "decode.constrain=schema"]))
+    # every format has its grammar
+    assert to_dataclass(compose(["model.response_format=mistral", "decode.constrain=schema"])).decode.constrain \
+        == "schema"
     with pytest.raises(Exception, match="prompt_style=tools prompts with the target's own tool format"):
         to_dataclass(compose(["model.prompt_style=tools"]))
     # real targets answer natively; experiment=paper restores the paper's json setting per target
@@ -149,7 +151,9 @@ def test_the_response_format_is_named_and_the_grammar_needs_json():
     qwen3 = to_dataclass(compose(["model=qwen3", "experiment=paper"])).model
     assert (qwen3.response_format, qwen3.prompt_style) == ("json", "chat")
     assert qwen3.chat_template_kwargs == {"enable_thinking": False}
-    assert to_dataclass(compose(["model=mistral-7b"])).model.response_format == "json"  # no mistral format yet
+    for model, fmt in (("mistral-7b", "mistral"), ("hermes3-8b", "hermes3"), ("qwen3", "hermes")):
+        native = to_dataclass(compose([f"model={model}"])).model
+        assert (native.response_format, native.prompt_style) == (fmt, "tools")
     hermes = to_dataclass(compose(["experiment=hermes"]))
     assert (hermes.model.response_format, hermes.model.prompt_style, hermes.run_name) == \
         ("hermes", "tools", "smollm2-135m-hermes")

@@ -17,6 +17,7 @@ from infer.tree import ROOT
 from schemafill.models import load_tokenizer
 from schemafill.parser import parse_prefix
 from schemafill.prompt import prompt_ids
+from schemafill.response_format import HERMES, HERMES3, JSON, MISTRAL
 from schemafill.runtime import load_target
 from schemafill.toolcall import parse_response
 from tests.conftest import tiny_llama
@@ -81,6 +82,88 @@ def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target)
         }
         for method, out in outs.items():
             assert out.ids == ar.ids, (name, method, ar.text, out.text)
+
+
+def test_each_format_has_its_grammar_and_a_marker_token_is_that_token(smol_tokenizer, marker_tokenizer):
+    """The grammar of every format on literal texts: its serialized calls pass (and, where EOS
+    ends the format, EOS only after the closing tag), its reply without calls only where no
+    call is required, and Mistral's marker only as its one special token."""
+    fn = WEATHER["function"]
+    calls = [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}]
+
+    def walk(c, ids):
+        return all(c.matcher.accept_token(i) for i in ids)
+
+    for fmt, tok in ((HERMES, smol_tokenizer), (HERMES3, smol_tokenizer), (MISTRAL, marker_tokenizer)):
+        grammars = SchemaGrammars(tok, len(tok), fmt=fmt)
+        text = fmt.serialize(calls * 2)
+        ids = tok(text, add_special_tokens=False).input_ids
+        c = grammars.constraint([fn])
+        assert walk(c, ids), fmt.name
+        c.count, end = len(ids), c.next_allowed()  # complete: EOS may end it (alone, where the text closed it)
+        assert end[tok.eos_token_id] and (int(end.sum()) == 1) == fmt.self_closing, fmt.name
+        c = grammars.constraint([fn])
+        assert not walk(c, ids[:-2]) or not c.next_allowed()[tok.eos_token_id]  # cut short: no EOS yet
+        other = JSON if fmt is not HERMES else HERMES3  # the same calls in another format's text
+        assert not walk(grammars.constraint([fn]), tok(other.serialize(calls), add_special_tokens=False).input_ids)
+        words = tok(fmt.empty, add_special_tokens=False).input_ids
+        assert walk(grammars.constraint([fn]), words)
+        assert not walk(grammars.constraint([fn], min_calls=1), words)  # tool_choice required: a call
+        bad = fmt.serialize([{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "K"}}])  # not in the enum
+        assert not walk(grammars.constraint([fn]), tok(bad, add_special_tokens=False).input_ids)
+    marker = marker_tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    spelt = smol_tokenizer("[TOOL_CALLS]", add_special_tokens=False).input_ids  # the marker as plain text
+    c = SchemaGrammars(marker_tokenizer, len(marker_tokenizer), fmt=MISTRAL).constraint([fn], min_calls=1)
+    row = c.next_allowed()
+    assert row[marker] and int(row.sum()) == 1 and c.forced() == marker and not row[spelt[0]]
+    # EOS is the way out once a hermes response may end: the closing rule picks it there
+    closing = SchemaGrammars(smol_tokenizer, len(smol_tokenizer), close_at=0, fmt=HERMES).constraint([fn])
+    closing.close_at = 0
+    closing.advance(smol_tokenizer(HERMES.serialize(calls), add_special_tokens=False).input_ids)
+    assert closing.forced() == smol_tokenizer.eos_token_id
+
+
+@pytest.fixture(scope="module")
+def marker_target(marker_tokenizer, tmp_path_factory):
+    """A random model whose vocabulary holds the ``[TOOL_CALLS]`` special token."""
+    folder = tmp_path_factory.mktemp("marker_target")
+    tiny_llama(vocab_size=len(marker_tokenizer), seed=4, num_hidden_layers=4).save_pretrained(folder)
+    marker_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("fmt", [HERMES, HERMES3, MISTRAL], ids=lambda f: f.name)
+def test_every_decoder_equals_constrained_ar_in_every_format(fmt, tiny_target, marker_target):
+    """Per format, the grammar holds a random model to that format's calls, and every
+    speculative decoder's tokens equal constrained AR's (closing near the cap, so responses
+    end inside the grammar: EOS after a tagged block, the bracket after mistral's list)."""
+    folder = marker_target if fmt is MISTRAL else tiny_target
+    target = load_target(folder, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(folder))
+    eos = frozenset({tok.eos_token_id})
+    grammars = SchemaGrammars(tok, target.config.vocab_size, close_at=48, fmt=fmt, stop_ids=eos)
+    head = random_head(target)
+    sf = SchemaFill(target, tok, head, eos, 48, SchemaFillConfig(budget=SCHEMAFILL_BUDGET), fmt=fmt)
+    ts = ToolSpecLite(target, tok, eos, 48, fmt=fmt)
+    for name in ("bm25", "no_params"):
+        req = request(name)
+        ids = prompt_ids(req, "plain", tok, fmt=fmt)
+        ar = decode_ar(target, tok, ids, 48, eos, constraint=grammars.constraint(req.functions), fmt=fmt)
+        assert parse_prefix(ar.text, fmt).error is None, ar.text
+        if ar.stop != "length":
+            assert fmt.complete(ar.text, ar.stop) and valid_response(ar.text, req.functions, fmt=fmt), ar.text
+        outs = {
+            "eagle3": decode_tree(target, tok, ids, 48, eos, HeadDrafter(head, SCHEMAFILL_BUDGET),
+                                  scratch=SCHEMAFILL_BUDGET.total, constraint=grammars.constraint(req.functions),
+                                  fmt=fmt),
+            "toolspec_lite": ts.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
+            "schemafill": sf.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
+        }
+        for method, out in outs.items():
+            assert out.ids == ar.ids, (name, method, ar.text, out.text)
+            assert out.forced == ar.forced
+        # the packed text (after mistral's marker token too) is proposed and taken
+        assert outs["schemafill"].target_calls < ar.target_calls and outs["toolspec_lite"].target_calls < ar.target_calls
 
 
 def closing_tokens(tok) -> torch.Tensor:

@@ -114,3 +114,36 @@ def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
     assert [t for t, piece in zip(tags, pieces) if "C" in piece] == [VALUE]
     chain = Candidates.tagged_chain(ids, tags)
     assert chain.sources[0] == "value:1" and chain.sources[-1].startswith("bridge:")
+
+
+def test_hermes3_writes_each_name_after_its_arguments():
+    from schemafill.response_format import HERMES3
+
+    def p3(text, plans, **kw):
+        return propose(text, parse_prefix(text, HERMES3), plans, fmt=HERMES3, **kw)
+
+    blocks = "\n</tool_call>\n<tool_call>\n"
+    head = '<tool_call>\n{"arguments": {'
+    assert p3("", [WEATHER, TIME]) == (head + '"city": "Paris", "unit": "C"}, "name": "get_weather"}' + blocks
+                                       + '{"arguments": {"tz": ')
+    # mid-arguments, before the name: the plan's tool closes the call
+    assert p3(head + '"city": "Pa', [WEATHER, TIME]) == ('ris", "unit": "C"}, "name": "get_weather"}' + blocks
+                                                         + '{"arguments": {"tz": ')
+    assert p3(head + '"city": "Pa', [WEATHER], cross_calls=False) == 'ris", "unit": "C"}, "name": "get_weather"}'
+    assert p3(head + '"da', [WEATHER]) == 'ys": '  # an unforeseen key of the schema
+    # after the last argument: the name, the bridge, the next plan's call
+    done = head + '"city": "Paris", "unit": "C"'
+    assert p3(done, [WEATHER, TIME]) == '}, "name": "get_weather"}' + blocks + '{"arguments": {"tz": '
+    assert p3(done, [WEATHER]) == '}, "name": "get_weather"}\n</tool_call>'  # the last call: the block closes
+    # MAIN closed the arguments before the predicted keys ran out: the name follows its fields
+    assert p3(head + '"city": "Rome"}', [WEATHER, TIME]) == (', "name": "get_weather"}' + blocks
+                                                            + '{"arguments": {"tz": ')
+    assert p3(head + '}', [WEATHER]) == ', "name": "get_weather"}\n</tool_call>'
+    assert p3(head + '"city": "Rome"}, "name": "get_w', [WEATHER]) == 'eather"}\n</tool_call>'
+    assert p3(head + '"city": "Rome"}, "name": "get_t', [WEATHER]) == ""  # another tool's name: not this plan
+    between = head + '"tz": "UTC"}, "name": "get_time"}\n</tool_call>'
+    assert p3(between, [TIME, WEATHER]) == ('\n<tool_call>\n{"arguments": {"city": "Paris", "unit": "C"}, '
+                                            '"name": "get_weather"}\n</tool_call>')
+    assert p3(between, [TIME]) == ""  # hermes3 ends with EOS: nothing after the last block
+    # the name-first text is off format here
+    assert p3('<tool_call>\n{"name": "get_weather", "arguments": {', [WEATHER]) == ""

@@ -25,9 +25,9 @@ from infer.tree import ROOT, depths
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
-from schemafill.response_format import HERMES, JSON
+from schemafill.response_format import HERMES, HERMES3, JSON
 from schemafill.runtime import load_target
-from tests.test_schemafill import CASES, base_target, request  # noqa: F401 (a fixture)
+from tests.test_schemafill import CASES, args_first_request, base_target, request  # noqa: F401 (a fixture)
 
 
 # ---------------------------------------------------------------- prompt lookup
@@ -153,6 +153,28 @@ def test_schema_fsm_names_keys_and_separator_rule():
     assert fsm.next_keys(typed, 'Oslo"') == []
 
 
+def test_schema_fsm_in_hermes3_drafts_keys_first_and_detects_by_keys():
+    fsm = SchemaFSM(request("no_params"), HERMES3)  # ping (no keys), get_weather (city, unit)
+    head = '<tool_call>\n{"arguments": {'
+    assert fsm.names() == [head + '}, "name": "ping', head + '"city": ', head + '"unit": ']
+    assert fsm.first_keys("anything") == fsm.names()  # step 1: step 0's chains again
+    fsm.detect(head)
+    assert fsm.tool is None and fsm.fits == ["ping", "get_weather"]  # no key yet: every tool
+    typed = head + '"city": "Oslo", "u'
+    assert fsm.next_keys(typed, 'Oslo", "u') == [typed + 'nit": ']  # the keys of the tools that fit
+    fsm.detect(head + '"city": "Oslo"')
+    assert fsm.tool == "get_weather"  # the only tool with "city"
+    closed = head + '"city": "Oslo"}, "n'
+    assert fsm.next_keys(closed, 'Oslo"}, "n', in_arguments=False) == [closed + 'ame": "get_weather"}']
+    assert fsm.next_keys(closed, 'Oslo"}, "n') == []  # inside the arguments: no key starts so
+    fsm = SchemaFSM(request("bm25"), HERMES3)
+    fsm.detect(head + '"city": "Oslo"}, "name": "ping"')  # the name, once written, wins
+    assert fsm.tool == "ping"
+    fsm = SchemaFSM(request("twenty"), HERMES3)
+    fsm.detect(head + '"arg_3": 1')
+    assert fsm.tool == "tool_3"
+
+
 def test_store_returns_the_most_similar_outputs_but_never_the_requests_own():
     store = RetrievalStore(k=2)
     store.add("a", torch.tensor([1.0, 0.0]), [1])
@@ -228,6 +250,32 @@ def test_peers_lossless_in_the_hermes_format(base_target):
     assert all(s > 0 for s in saved.values()), saved
     # the FSMs draft hermes block headers and tool names (measured: 62 and 57 calls over 2 decodes of 40 tokens)
     assert saved["toolspec_lite"] > 30 and saved["toolspec"] > 30, saved
+
+
+def test_toolspecs_lossless_in_the_hermes3_format(tiny_target, base_target):
+    """hermes3 writes a call's arguments before its name: ToolSpec drafts every tool's first
+    keys at step 0 and detects the tool by its keys, ToolSpec-lite keeps the tools the keys
+    allow; both equal AR on a random model and on the built-in model's args-first block."""
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    methods = {m: d for m, d in peers(target, tok, eos, 24, HERMES3).items()
+               if m in ("toolspec", "toolspec_lite", "toolspec_cost")}
+    for name in ("bm25", "no_params", "twenty"):
+        ids = prompt_ids(request(name), "plain", tok, fmt=HERMES3)
+        ar = decode_ar(target, tok, ids, 24, eos, fmt=HERMES3)
+        for method, decoder in methods.items():
+            assert decoder.decode(request(name), ids).ids == ar.ids, (name, method)
+    target, tok, eos = base_target
+    req = args_first_request()
+    ids = prompt_ids(req, "plain", tok, fmt=HERMES3)
+    ar = decode_ar(target, tok, ids, 32, eos, fmt=HERMES3)
+    assert ar.text.startswith('<tool_call>\n{"arguments": {"city": ')
+    for method, decoder in peers(target, tok, eos, 32, HERMES3).items():
+        if method in ("toolspec", "toolspec_lite"):
+            out = decoder.decode(req, ids)
+            assert out.ids == ar.ids, (method, ar.text, out.text)
+            assert out.target_calls < ar.target_calls / 4, method  # measured: 2 and 4 of 32
 
 
 @pytest.mark.slow  # ~3 min on 2 AVX512 cores with nothing else running: `make test-full`

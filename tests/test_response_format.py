@@ -8,7 +8,7 @@ import pytest
 from infer.packer import CallPlan, propose
 from schemafill.parser import parse_prefix, response_layout, value_literal
 from schemafill.prompt import render_plain
-from schemafill.response_format import FORMATS, HERMES, JSON, get_format
+from schemafill.response_format import FORMATS, HERMES, HERMES3, JSON, MISTRAL, get_format
 from schemafill.stopping import ResponseStop
 from schemafill.toolcall import ToolCall, ToolRequest, parse_response, serialize_calls
 
@@ -25,10 +25,20 @@ def test_each_format_writes_the_same_call_objects_in_its_own_wrapper():
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\"", "days": 3}}\n</tool_call>\n'
         '<tool_call>\n{"name": "book", "arguments": {"when": {"day": "mon", "slots": [1, 2]}, "ok": true}}\n'
         '</tool_call>')
+    assert HERMES3.serialize(CALLS[:1]) == \
+        '<tool_call>\n{"arguments": {"city": "Paris, \\"FR\\"", "days": 3}, "name": "get_weather"}\n</tool_call>'
+    assert MISTRAL.serialize(CALLS) == (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\"", "days": 3}}, '
+        '{"name": "book", "arguments": {"when": {"day": "mon", "slots": [1, 2]}, "ok": true}}]')
     assert JSON.serialize([]) == '{"tool_calls": []}' and HERMES.serialize([]) == HERMES.empty
+    assert MISTRAL.serialize([]) == MISTRAL.empty  # a reply in words
     for fmt in FORMATS.values():
         assert fmt.parse(fmt.serialize(CALLS)) == CALLS and get_format(fmt.name) is fmt
-        assert fmt.field_prefix("f", "k") == fmt.header + '{"name": "f", "arguments": {"k":'
+        head = '{"name": "f", "arguments": {' if fmt.name_first else '{"arguments": {'
+        assert fmt.field_prefix("f", "k") == fmt.header + head + '"k":'
+        assert [(c.name, c.arguments, c.closed) for c in fmt.call_spans(fmt.serialize(CALLS))] == \
+            [(c["name"], JSON.serialize([c])[len('{"tool_calls": [{"name": "') + len(c["name"]) + 16:-3], True)
+             for c in CALLS]
     with pytest.raises(ValueError, match="unknown response format 'xml'.*hermes"):
         get_format("xml")
 
@@ -46,22 +56,40 @@ def test_hermes_parse_is_strict_about_what_surrounds_the_blocks():
     assert serialize_calls(calls, HERMES) == block and parse_response(block) is None  # not a json-format response
 
 
-def test_the_parser_sees_the_same_structure_through_either_wrapper():
-    """Cut the json text at every character of each call object; the hermes text cut at the same
-    place of the same call parses to the same state, offsets moved by the wrappers' difference."""
-    jtext, htext = JSON.serialize(CALLS), HERMES.serialize(CALLS)
+def test_mistral_parse_reads_the_list_after_its_marker():
+    text = MISTRAL.serialize(CALLS)
+    assert MISTRAL.parse("I can't do that.") == []  # a reply in words calls nothing
+    assert MISTRAL.parse(" " + text.replace("] [", "][") + "\n") == CALLS  # any whitespace around the list
+    assert MISTRAL.parse("Sure! " + text) is None and MISTRAL.parse(text[:-1]) is None
+    assert MISTRAL.parse('[TOOL_CALLS] {"name": "f"}') is None  # not a list
+    assert MISTRAL.is_calls("[TOOL") is None and MISTRAL.is_calls(text) and MISTRAL.is_calls("[{") is False
+    for i in range(len(text)):  # every prefix parses, and only the last "]" closes the response
+        state = parse_prefix(text[:i], MISTRAL)
+        assert state.error is None and not state.closed, (i, state.error)
+    assert parse_prefix(text, MISTRAL).closed
+    for bad, where in (("Hello", "'[TOOL_CALLS]', got 'H'"), ("[TOOL_CALLS] {", "expected '[', got '{'"),
+                       (text + " x", "text after the closed outer object"), ("[TOOL_CALS]", "'[TOOL_CALLS]'")):
+        assert where in parse_prefix(bad, MISTRAL).error, bad
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL], ids=lambda f: f.name)
+def test_the_parser_sees_the_same_structure_through_either_wrapper(fmt):
+    """Cut the json text at every character of each call object; the other format's text cut at
+    the same place of the same call parses to the same state, offsets moved by the wrappers'
+    difference."""
+    jtext, htext = JSON.serialize(CALLS), fmt.serialize(CALLS)
     jcalls = [c.spans for c in response_layout(jtext)]
-    hcalls = [c.spans for c in response_layout(htext, HERMES)]
+    hcalls = [c.spans for c in response_layout(htext, fmt)]
     assert [[jtext[a:e] for _, a, e in spans] for spans in jcalls] == \
         [[htext[a:e] for _, a, e in spans] for spans in hcalls]
     j_starts = [jtext.index('{"name"', i) for i in (0, jtext.index("}}, ") + 3)]
-    h_starts = [htext.index('{"name"', i) for i in (0, htext.index("</tool_call>"))]
+    h_starts = [htext.index('{"name"', i) for i in (0, htext.index("}}") + 2)]
     ends = (jtext.index("}}, ") + 2, len(jtext) - 2)  # each call object's closing brace, included
     for j_start, h_start, end in zip(j_starts, h_starts, ends):
         shift = h_start - j_start
         moved = lambda v: None if v is None else v + shift  # noqa: E731
         for at in range(j_start, end + 1):
-            js, hs = parse_prefix(jtext[:at]), parse_prefix(htext[:at + shift], HERMES)
+            js, hs = parse_prefix(jtext[:at]), parse_prefix(htext[:at + shift], fmt)
             assert hs.error is None and js.error is None
             assert (hs.call_index, hs.tool_name, hs.field, hs.in_key, hs.in_value, hs.value_type,
                     hs.fields_done) == \
@@ -75,11 +103,15 @@ def test_valid_calls_are_checked_against_the_catalog_in_either_format():
 
     catalog = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}]
-    for fmt in (JSON, HERMES):
+    for fmt in FORMATS.values():
         assert valid_response(fmt.serialize(CALLS[:1]), catalog, fmt=fmt)
         assert not valid_response(fmt.serialize(CALLS), catalog, fmt=fmt)  # "book" is not in the catalog
         assert not valid_response(fmt.serialize(CALLS[:1])[:-3], catalog, fmt=fmt)  # cut short
     assert not valid_response(HERMES.serialize(CALLS[:1]), catalog)  # read as json, hermes is not valid
+    # read as hermes, mistral's text is a reply in words: valid, but no call where one is required
+    assert valid_response(MISTRAL.serialize(CALLS[:1]), catalog, fmt=HERMES)
+    assert not valid_response(MISTRAL.serialize(CALLS[:1]), catalog, min_calls=1, fmt=HERMES)
+    assert valid_response(HERMES.serialize(CALLS[:1]), catalog, min_calls=1, fmt=HERMES)
 
 
 def test_hermes_prefixes_never_fail_and_the_state_between_blocks():
@@ -117,7 +149,7 @@ def test_the_packer_bridges_fields_and_calls_in_hermes():
 
 def test_the_stopping_rule_of_each_format(smol_tokenizer):
     eos = smol_tokenizer.eos_token_id
-    for fmt, reason in ((JSON, "closed"), (HERMES, None)):
+    for fmt, reason in ((JSON, "closed"), (HERMES, None), (HERMES3, None), (MISTRAL, "closed")):
         stop = ResponseStop(smol_tokenizer, {eos}, 500, fmt=fmt)
         ids = smol_tokenizer(fmt.serialize(CALLS), add_special_tokens=False).input_ids
         assert stop.push(ids + [eos]) == len(ids) + (reason is None)
@@ -134,3 +166,29 @@ def test_prompts_ask_for_the_targets_format():
     assert JSON.template in plain and "<tool_call>" not in plain and plain.count(JSON.empty) == 1
     assert HERMES.template in hermes and '{"tool_calls"' not in hermes and hermes.count(HERMES.empty) == 1
     assert plain.endswith("User: Weather in Paris?\n\nResponse:\n") and hermes.endswith("Response:\n")
+    for fmt in (HERMES3, MISTRAL):
+        text = render_plain(req, fmt)
+        assert fmt.template in text and text.count(fmt.empty) == 1 and '{"tool_calls"' not in text
+    assert '{"arguments": {' in render_plain(req, HERMES3) and "[TOOL_CALLS] [" in render_plain(req, MISTRAL)
+
+
+def test_a_marker_held_as_a_special_token_stays_in_the_response_text(marker_tokenizer):
+    """Mistral's ``[TOOL_CALLS]`` is a control token: a plain decode drops it (so would the
+    parser's view, and no call would ever be read); the format's decode keeps it, drops the
+    other special tokens as before, and the stopping rule closes on the list's bracket."""
+    tok, eos = marker_tokenizer, marker_tokenizer.eos_token_id
+    text = MISTRAL.serialize(CALLS)
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert ids[0] == tok.convert_tokens_to_ids("[TOOL_CALLS]") == 49152  # one token, as Mistral writes it
+    assert tok.decode(ids, skip_special_tokens=True) == text[len("[TOOL_CALLS]"):]
+    assert MISTRAL.decode(tok, ids + [eos]) == text and JSON.decode(tok, ids) == text[len("[TOOL_CALLS]"):]
+    stop = ResponseStop(tok, {eos}, 500, fmt=MISTRAL)
+    assert stop.push(ids + [eos]) == len(ids) and stop.reason == "closed" and stop.text == text
+    assert MISTRAL.parse(stop.text) == CALLS
+    # the packer extends the text after the marker token (a plain decode would not match the text)
+    from infer.packer import continuation_ids
+
+    for cut in (1, 3):
+        seen = MISTRAL.decode(tok, ids[:cut])
+        assert seen.startswith("[TOOL_CALLS]")
+        assert continuation_ids(tok, ids[:cut], seen, text[len(seen):], MISTRAL) == ids[cut:]

@@ -4,7 +4,6 @@ target calls."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
 from schemafill.drafter import Eagle3Head, HeadConfig
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
-from schemafill.response_format import HERMES, JSON
+from schemafill.response_format import HERMES, HERMES3, JSON
 from schemafill.runtime import load_target, rope_tables
 from schemafill.toolcall import ToolRequest, parse_response
 
@@ -50,6 +49,17 @@ CASES = {  # name: (catalog, user text, forced call groups or None for BM25)
 def request(name):
     tools, text, _ = CASES[name]
     return ToolRequest(id=name, messages=[{"role": "user", "content": text}], tools=tools)
+
+
+# shown this, the built-in model answers a hermes3 prompt with an args-first block
+ARGS_FIRST = ('Weather in Oslo, then in Rome. Example reply:\n'
+              '<tool_call>\n{"arguments": {"city": "Oslo", "unit": "C"}, "name": "get_weather"}\n</tool_call>\n'
+              '<tool_call>\n{"arguments": {"city": "Rome", "unit": "C"}, "name": "get_weather"}\n</tool_call>')
+
+
+def args_first_request():
+    return ToolRequest(id="args_first", messages=[{"role": "user", "content": ARGS_FIRST}],
+                       tools=[WEATHER, FLIGHT, PING])
 
 
 def random_head(target, seed=0):
@@ -155,6 +165,33 @@ def test_hermes_format_is_lossless_and_packs_its_blocks(tiny_target, base_target
     assert saved >= 30  # block headers, names and keys come packed (measured: 66 calls over 4 decodes of 48 tokens)
 
 
+def test_hermes3_format_is_lossless_and_follows_the_keys_to_the_name(tiny_target, base_target):
+    """hermes3 writes a call's arguments before its name. A random model: AR's tokens at
+    stages B and D. The built-in model, shown an example, writes an args-first block; with a
+    wrong first forecast the plan follows the keys MAIN writes (to a later group's tool, or
+    the one catalog tool that holds them), so the packer's keys, closing and name come about
+    as cheaply as with the right forecast."""
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    for _ in check(target, tok, frozenset({tok.eos_token_id}), ["bm25", "repeated"], "BD", max_new=24, fmt=HERMES3):
+        pass
+    target, tok, eos = base_target
+    req = args_first_request()
+    ids = prompt_ids(req, "plain", tok, fmt=HERMES3)
+    ar = decode_ar(target, tok, ids, 32, eos, fmt=HERMES3)
+    assert ar.text.startswith('<tool_call>\n{"arguments": {"city": "Oslo", "unit": "C"}, "name": "get_weather"}')
+    head, calls = random_head(target), {}
+    for groups in ([0], [1, 0], [2]):  # right; get_weather a later group; only in the catalog
+        # no prompt-lookup copies: the example would give the block away whatever the plans
+        sf = SchemaFill(target, tok, head, eos, 32, SchemaFillConfig(budget=SCHEMAFILL_BUDGET, copy_len=0),
+                        fmt=HERMES3)
+        out = sf.decode(req, ids, groups=groups)
+        assert out.ids == ar.ids, (groups, ar.text, out.text)
+        calls[groups[0]] = out.target_calls
+    # measured 6, 6 and 8 calls of AR's 32 (14 and 18 with the wrong plans kept to the name)
+    assert max(calls.values()) <= calls[0] + 3 and calls[0] <= 8, calls
+
+
 @pytest.mark.slow
 def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
     target, tok, eos = base_target
@@ -164,14 +201,14 @@ def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
 
 def test_sibling_branches_share_one_trunk(smol_tokenizer):
     from infer.side import Branch, SideContexts, ordinal_hint
-    from schemafill.response_format import JSON, call_header, dumps
+    from schemafill.response_format import JSON, dumps
 
     HEADER = JSON.header
 
     tok = smol_tokenizer
     contexts = SideContexts(tok, prompt_len=5, base=100, size=200)
     branches = [Branch(call=1, tool="get_weather", field=f, hint=ordinal_hint(1),
-                       header=HEADER + call_header("get_weather") + dumps(f) + ":") for f in ("city", "unit", "days")]
+                       header=HEADER + JSON.call_header("get_weather") + dumps(f) + ":") for f in ("city", "unit", "days")]
     opened = [contexts.open(b) for b in branches]
     assert [len(s) for s in opened] == [2, 1, 1]  # the trunk is computed once, with the first branch
     trunk = opened[0][0]
@@ -200,6 +237,34 @@ def test_sibling_branches_share_one_trunk(smol_tokenizer):
     for b in branches:
         contexts.free(b)
     assert not contexts.trunks and sorted(contexts.pool.free) == list(range(100, 300))  # nothing leaks
+
+
+def test_hermes3_branches_serve_any_tool_with_their_key(smol_tokenizer):
+    """A hermes3 SIDE context ends before the call's name: branches of one call share a trunk
+    whatever their tool, and a branch stays (for the new tool) when its plan is rebound to a
+    tool with its key; in hermes its context names the old tool, and it retires."""
+    from infer.packer import CallPlan
+    from infer.side import Branch, SideBranches, SideContexts
+
+    for fmt in (HERMES3, HERMES):
+        contexts = SideContexts(smol_tokenizer, prompt_len=5, base=100, size=200, fmt=fmt)
+        side = SideBranches(smol_tokenizer, frozenset({0}), contexts, 4, 8, False, 0, fmt)
+        plans = [CallPlan("get_time", ("city",), ("city", "tz"), {}), CallPlan("get_weather", ("city",), ("city",), {})]
+        side.open_first(plans)
+        assert [(b.call, b.tool, b.field) for b in side.branches] == [(0, "get_time", "city"),
+                                                                     (1, "get_weather", "city")]
+        other = Branch(call=0, tool="book_flight", field="seats", hint="",
+                       header=fmt.field_prefix("book_flight", "seats"))
+        assert len(contexts.open(other)) == (1 if fmt is HERMES3 else 2)  # hermes3: get_time's trunk
+        contexts.free(other)
+        plans[0] = CallPlan("get_weather", ("city",), ("city", "unit"), {})
+        side.retire_stale(plans, 0, set())
+        if fmt is HERMES3:
+            assert [(b.call, b.tool) for b in side.branches] == [(0, "get_weather"), (1, "get_weather")]
+        else:
+            assert [(b.call, b.tool) for b in side.branches] == [(1, "get_weather")]
+        side.retire_stale([CallPlan("ping", (), (), {})] * 2, 0, set())  # no such key: retired in both
+        assert not side.branches and not contexts.trunks
 
 
 def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):

@@ -299,7 +299,8 @@ def test_a_method_that_is_not_lossless_is_refused_before_any_model_loads(tmp_pat
 
 def test_a_hermes_target_is_served_in_its_own_format(tiny_target, tiny_head, requests, tmp_path):
     """The server reads and writes the target's format: earlier assistant calls go back into the
-    prompt as hermes blocks, and the json grammar of tool_choice required is refused by name."""
+    prompt as hermes blocks, and tool_choice required holds it to a hermes call by the hermes
+    grammar."""
     cfg = to_dataclass(compose([f"model.source={tiny_target}", f"head={tiny_head}", f"paths.artifacts={tmp_path}",
                                 f"decode.cost_cache={tmp_path / 'cost'}", "method=ar", "warmup=false",
                                 "model.response_format=hermes", *TARGET], config_name="serve"), ServeConfig)
@@ -318,9 +319,13 @@ def test_a_hermes_target_is_served_in_its_own_format(tiny_target, tiny_head, req
             assert chat.request.messages[-2] == {"role": "assistant", "content": engine.fmt.serialize(
                 [{"name": name, "arguments": {}}])}  # the earlier call, as the target writes calls
             assert chat.request.messages[-2]["content"].startswith("<tool_call>\n{")
-            refused = post(server.url, {"model": MODEL, "messages": requests[0].messages, "tools": tools,
-                                        "tool_choice": "required"})
-            assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
-            assert "json format only" in refused.json()["error"]["message"]
+            # tool_choice required under the hermes grammar: the random target writes a hermes call
+            forced = post(server.url, {"model": MODEL, "messages": requests[0].messages, "tools": tools,
+                                       "tool_choice": "required", "max_tokens": 160})
+            choice = forced.json()["choices"][0]
+            assert forced.status_code == 200 and choice["finish_reason"] == "tool_calls", choice
+            call = choice["message"]["tool_calls"][0]["function"]
+            assert call["name"] in {t["function"]["name"] for t in tools} and isinstance(json.loads(call["arguments"]),
+                                                                                         dict)
     finally:
         engine.close()

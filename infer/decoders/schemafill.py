@@ -25,6 +25,13 @@ Our reading of paper §4 (DESIGN §4), round by round:
    branches of finished calls and realized fields, and keeps branches only for the
    current and next call. Stops with MAIN (first closed object, EOS, or the cap).
 
+Formats that write a call's name after its arguments (``hermes3``): the candidates at
+initialisation are the forecast tools' first keys (``{"arguments": {"<key>":``; tools that
+share it share the chain), the packer writes the name from the plan after the arguments,
+and until MAIN writes the name the plan follows the keys MAIN writes
+(``align.rebind_by_keys``); a SIDE context ends before any name, so a branch or prepared
+value of a key serves whichever tool the call turns out to be.
+
 Ablations (``decode.ablation``): A = EAGLE-3 only; B = + forecast-guided initialisation and
 structural packing (no prepared values), prompt-lookup copies; C = + SIDE branches, packing within a call;
 D = + packing across calls (full SchemaFill).
@@ -57,7 +64,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from infer.align import current_call, rebind
+from infer.align import current_call, rebind, rebind_by_keys, written_keys
 from infer.candidates import Candidates
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.forecast import call_plan, forecast_groups, rank_tools
@@ -72,7 +79,7 @@ from infer.session import MainSession, Segment, Verified
 from infer.side import SideBranches, SideContexts
 from infer.tree import ROOT, chain, merge
 from schemafill.config import ABLATIONS
-from schemafill.response_format import JSON, ResponseFormat, call_header
+from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
 
@@ -182,6 +189,10 @@ class SchemaFill:
                 current = current_call(state)
                 if plans and state.tool_name is not None:
                     side.remap(rebind(plans, state.call_index, state.tool_name, functions))
+                elif plans and state.call_index is not None and not self.fmt.name_first:
+                    # the name comes after the arguments: follow the keys until it does
+                    keys, typing = written_keys(text, state)
+                    side.remap(rebind_by_keys(plans, state.call_index, keys, functions, typing))
                 realized = {(current, k) for k, _, _ in state.spans}
                 side.retire_stale(plans, current, realized)
                 side.activate(plans, current, realized)
@@ -267,10 +278,10 @@ class SchemaFill:
     def _candidates(self, plans: list[CallPlan]) -> tuple[list[int], list[int]]:
         """MAIN's candidates at initialisation: for each forecast tool, the canonical response
         up to its first value, merged into one tree (the greedy path picks among them)."""
-        candidates = []
-        for plan in {p.tool: p for p in plans}.values():
-            text = self.fmt.field_prefix(plan.tool, plan.keys[0]) if plan.keys else self.fmt.header + call_header(plan.tool)
-            candidates.append(chain(self.tokenizer(text, add_special_tokens=False).input_ids[: self.cfg.max_chain]))
+        texts = [self.fmt.field_prefix(p.tool, p.keys[0]) if p.keys else self.fmt.header + self.fmt.call_header(p.tool)
+                 for p in plans]  # name-last formats: the same text for tools with the same first key
+        candidates = [chain(self.tokenizer(text, add_special_tokens=False).input_ids[: self.cfg.max_chain])
+                      for text in dict.fromkeys(texts)]
         return merge(candidates) if candidates else ([], [])
 
     def _main_tree(self, s: MainSession, prompt: list[int], plans: list[CallPlan], side: SideBranches,
@@ -288,9 +299,9 @@ class SchemaFill:
             suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
                                            fmt=self.fmt)
             suffix = suffix.rstrip(" ")
-            packed = continuation_ids(self.tokenizer, s.response, text, suffix)[: cfg.max_chain]
+            packed = continuation_ids(self.tokenizer, s.response, text, suffix, self.fmt)[: cfg.max_chain]
             if packed:
-                kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed)
+                kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed, self.fmt)
                 # from the first value on, the chain exists only because a SIDE branch prepared it
                 first = next((i for i, k in enumerate(kinds) if k != BRIDGE), len(kinds))
                 parts.append(Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}"

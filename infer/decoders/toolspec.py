@@ -17,10 +17,18 @@ Each step drafts from one source, in the authors' order:
   top-8 next tokens, which every verified node writes from the target's logits and which
   lives for the launch.
 
-What differs from their code, and why: the target's response format (json, or hermes'
-``<tool_call>``) replaces their four prefixes (``{"name": ``, ``<tool_call>``, ...) and
-``"parameters"``; names are tokenized in context
-rather than alone; a key's chain stops at ``": `` (our values are typed JSON, theirs strings);
+What differs from their code, and why: the target's response format (json, hermes'
+``<tool_call>``, ...) replaces their four prefixes (``{"name": ``, ``<tool_call>``, ...) and
+``"parameters"``. Their prefixes all put a call's name first; where the format writes it
+after the arguments (``hermes3``: ``{"arguments": {...}, "name": "t"}``) the name cannot be
+drafted first, so step 0 drafts the response prefix plus every tool's step-1 chains instead
+(``{"arguments": {"<key>": `` for each of its keys, merged; a tool without keys: its
+name after ``{}``), step 1 offers those chains again where the response still follows
+one (else it takes the later steps' rules), the tool is detected from the keys the
+current call has written once they fit exactly one tool (or from its name once written),
+the separator rule completes the keys of the tools that still fit until then, and after
+the arguments' ``}, `` it completes ``"name": "<tool>"}`` instead of a key. Names are
+tokenized in context rather than alone; a key's chain stops at ``": `` (our values are typed JSON, theirs strings);
 the retrieval key is the final state at the prompt's last token (their prefill stops one
 token earlier); retrieved chains share prefixes in one tree (same acceptance, fewer nodes);
 their self-match guard mixes two index spaces and drops valid matches, ours only requires a
@@ -46,12 +54,14 @@ from infer.retrieval import RetrievalStore
 from infer.session import MainSession, Verified
 from infer.token_recycling import RecyclingTable, template_tree
 from infer.tree import chain, merge
+from schemafill.parser import parse_prefix
 from schemafill.response_format import FIELD_BRIDGE, JSON, ResponseFormat, dumps
 from schemafill.config import ToolSpecConfig
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
 
-ARGUMENTS = '", "arguments": {'  # after a tool's name, up to its first key
+ARGUMENTS = '", "arguments": {'  # name-first formats: after a tool's name, up to its first key
+NAME = '"name": '  # name-last formats: the key after the arguments
 
 
 class SchemaFSM:
@@ -62,29 +72,60 @@ class SchemaFSM:
         self.tools = {fn["name"]: list((fn.get("parameters") or {}).get("properties") or {})
                       for fn in request.functions}
         self.tool: str | None = None  # detected once the response ends with a tool's name
+        # name-last formats, until a tool is detected: the tools whose schema holds every key
+        # the current call has written (name-first formats: never any)
+        self.fits: list[str] = []
 
     def names(self) -> list[str]:
-        return [self.fmt.header + '{"name": "' + name for name in self.tools]
+        """Step 0: the response prefix and each tool's name (name-last formats: each tool's
+        ``{"arguments": {"<key>": `` chains, or its name after empty arguments)."""
+        if self.fmt.name_first:
+            return [self.fmt.header + '{"name": "' + name for name in self.tools]
+        texts = []
+        for name, keys in self.tools.items():
+            opener = self.fmt.header + self.fmt.call_header(name)  # ``{"arguments": {``
+            texts += [opener + dumps(k) + ": " for k in keys] or [opener + "}" + FIELD_BRIDGE + NAME + '"' + name]
+        return list(dict.fromkeys(texts))
 
     def detect(self, text: str) -> None:
-        if self.tool is None:
+        if self.tool is not None:
+            return
+        if self.fmt.name_first:
             self.tool = next((t for t in self.tools if text.endswith('"name": "' + t)), None)
+            return
+        # name-last: the name once written, else the keys written so far in the current call
+        state = parse_prefix(text, self.fmt)
+        if state.tool_name in self.tools:
+            self.tool, self.fits = state.tool_name, [state.tool_name]
+            return
+        written = {k for k, _, _ in state.spans} | ({state.field} if state.field is not None else set())
+        self.fits = [t for t, keys in self.tools.items() if written <= set(keys)]
+        if written and len(self.fits) == 1:
+            self.tool = self.fits[0]
 
     def first_keys(self, text: str) -> list[str]:
+        if not self.fmt.name_first:  # step 1: the step-0 chains, where the response still follows one
+            return self.names()
         keys = self.tools.get(self.tool) or []
         if not keys:
             return [text + ARGUMENTS + '"']
         return [text + ARGUMENTS + dumps(k) + ": " for k in keys]
 
-    def next_keys(self, text: str, tail: str) -> list[str]:
+    def next_keys(self, text: str, tail: str, in_arguments: bool = True) -> list[str]:
         """Keys of the detected tool completing what follows a separator in ``tail`` (the last
-        tokens' text); [] when none is there."""
+        tokens' text); [] when none is there. Name-last formats: before a tool is detected,
+        the keys of the tools that fit; after the arguments (``in_arguments`` False), the
+        ``"name": "<tool>"}`` that ends the call."""
         at = tail.rfind(FIELD_BRIDGE)
-        if at < 0 or self.tool is None:
+        tools = [self.tool] if self.tool is not None else self.fits
+        if at < 0 or not tools:
             return []
         typed = tail[at + len(FIELD_BRIDGE):]
-        return [text + (dumps(k) + ": ")[len(typed):] for k in self.tools[self.tool]
-                if (dumps(k) + ": ").startswith(typed)]
+        if in_arguments or self.fmt.name_first:
+            pieces = [dumps(k) + ": " for t in tools for k in self.tools[t]]
+        else:
+            pieces = [NAME + dumps(t) + "}" for t in tools]
+        return [text + piece[len(typed):] for piece in dict.fromkeys(pieces) if piece.startswith(typed)]
 
 
 def retrieval_candidates(tokens: list[int], retrieved: list[int], cfg: ToolSpecConfig) -> list[list[int]]:
@@ -157,12 +198,15 @@ class ToolSpec:
               before_root: str) -> Candidates:
         text, committed = s.stop.parsed_text, s.response
         if step == 1:  # the chains start before the root: the ones the root continues are kept
-            return Candidates.tree(*self._along(committed, text, fsm.first_keys(before_root)), "fsm")
+            first = self._along(committed, text, fsm.first_keys(before_root))
+            if first[0] or self.fmt.name_first:  # name-last formats: else the later steps' rules
+                return Candidates.tree(*first, "fsm")
         found = retrieval_candidates(s.tokens, retrieved, self.cfg)
         if found:
             return Candidates.tree(*merge([chain(c) for c in found]), "retrieval")
         tail = self.tokenizer.decode(committed[-4:], skip_special_tokens=True)
-        keys = self._along(committed, text, fsm.next_keys(text, tail))
+        state = s.stop.parser.state
+        keys = self._along(committed, text, fsm.next_keys(text, tail, state.field is not None or state.in_key))
         if keys[0]:
             return Candidates.tree(*keys, "fsm")
         parents, columns = self.template
@@ -172,7 +216,7 @@ class ToolSpec:
 
     def _along(self, committed: list[int], text: str, targets: list[str]) -> tuple[list, list]:
         """One merged tree of the continuations of ``text`` toward each target text."""
-        chains = [continuation_ids(self.tokenizer, committed, text, t[len(text):]) for t in targets
+        chains = [continuation_ids(self.tokenizer, committed, text, t[len(text):], self.fmt) for t in targets
                   if t.startswith(text)]
         return merge([chain(c) for c in chains if c]) if chains else ([], [])
 
@@ -181,6 +225,10 @@ class ToolSpec:
         merges across the boundary)."""
         def size(texts: list[str]) -> int:
             return sum(len(self.tokenizer(t, add_special_tokens=False).input_ids) + 1 for t in texts)
+        if not self.fmt.name_first:  # step 1's are step 0's; then the keys or names of every tool that may fit
+            keys = dict.fromkeys(FIELD_BRIDGE + dumps(k) + ": " for keys in fsm.tools.values() for k in keys)
+            names = [FIELD_BRIDGE + NAME + dumps(t) + "}" for t in fsm.tools]
+            return max(size(fsm.names()), size(list(keys) + names))
         return max([size([ARGUMENTS + dumps(k) + ": " for k in keys]) for keys in fsm.tools.values()] + [0])
 
     def _learn(self, v: Verified) -> None:

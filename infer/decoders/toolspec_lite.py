@@ -8,7 +8,10 @@ reading their code, kept as a point between ToolSpec and SchemaFill:
   typed prefix still allows, then ``", "arguments": {"`` and the chosen tool's keys in
   schema order (its required ones, or all when none is required; a partial key completes
   to any schema key) with their delimiters, up to the first value; after a call, both ``]}`` and
-  ``, {"name": ...`` for each tool. (Built on the packer with one plan per tool and no
+  ``, {"name": ...`` for each tool. In a format that writes the name after the arguments
+  (``hermes3``) the same continuations run the other way: ``{"arguments": {"`` and each
+  tool's keys first, the tools still allowed being those whose schema holds every key
+  written so far, then ``}, "name": "<tool>"}``. (Built on the packer with one plan per tool and no
   prepared values: the same canonical serialization SchemaFill uses.)
 * **Retrieval.** A summary of the request — the mean of the target's three fused hidden
   states over the prompt, from the prefill — is compared by cosine similarity with the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from infer.align import holds_keys, written_keys
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.forecast import call_plan
 from infer.packer import CallPlan, continuation_ids, propose
@@ -83,13 +87,19 @@ class ToolSpecLite:
         chains = []
         # the schema FSM: one canonical continuation per tool the committed text still allows
         position = state.call_index if state.call_index is not None else state.calls_started
-        realized = [plans[state.tool_name]] if state.tool_name in plans else list(plans.values())
+        if state.tool_name in plans:
+            realized = [plans[state.tool_name]]
+        elif state.tool_name is None:  # the tools the keys written so far allow (name-first: none yet, all)
+            keys, partial = written_keys(text, state)
+            realized = [p for p in plans.values() if holds_keys(p.schema_keys, keys, partial)]
+        else:
+            realized = list(plans.values())
         for plan in realized:
             suffix = propose(text, state, [plan] * (position + 1), cross_calls=state.call_index is None, fmt=self.fmt)
             if suffix:
-                chains.append(continuation_ids(self.tokenizer, committed, text, suffix.rstrip(" ")))
+                chains.append(continuation_ids(self.tokenizer, committed, text, suffix.rstrip(" "), self.fmt))
         if state.call_index is None and state.calls_started:  # or the list closes here
-            chains.append(continuation_ids(self.tokenizer, committed, text, propose(text, state, [], fmt=self.fmt)))
+            chains.append(continuation_ids(self.tokenizer, committed, text, propose(text, state, [], fmt=self.fmt), self.fmt))
         # retrieval and prompt lookup: earlier outputs, the prompt, the response so far
         context = s.tokens  # prompt + committed (the pending token last)
         for source in sources + [committed]:

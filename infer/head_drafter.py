@@ -93,18 +93,20 @@ class HeadDrafter:
         tree, parents, _ = self.scored(tokens, new_aux)
         return tree, parents
 
-    def candidates(self, tokens: list[int], new_aux: torch.Tensor) -> Candidates:
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None) -> Candidates:
         """The draft tree, each node tagged with the bucket of the head's own probability for it
         (given its parent): what cost-aware selection reads as its acceptance estimate."""
-        tree, parents, q = self.scored(tokens, new_aux)
+        tree, parents, q = self.scored(tokens, new_aux, depth)
         return Candidates(tree, parents, [head_source(x) for x in q])
 
     @torch.inference_mode()
-    def scored(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int], list[float]]:
+    def scored(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None
+               ) -> tuple[list[int], list[int], list[float]]:
         """tokens: prompt + committed (the last ones pending: their target features do not
         exist yet); new_aux: [M, 3H] target features of the M newest positions that have them
-        (those the head has not seen). The tree hangs off the last pending token. Returns the
-        tree and the head's probability of each node given its parent."""
+        (those the head has not seen). The tree hangs off the last pending token, ``depth``
+        levels deep (default: the budget's; each level past the first is a head forward).
+        Returns the tree and the head's probability of each node given its parent."""
         head, dev, b = self.head, self.device, self.budget
         h, m = self.done, new_aux.shape[0]
         n = h + m  # positions with target features; the first pending token sits at position n
@@ -145,7 +147,7 @@ class HeadDrafter:
 
         frontier = expand([ROOT], root_out[None], [0.0])
         slot = n + 1
-        for d in range(1, b.depth):
+        for d in range(1, b.depth if depth is None else min(depth, b.depth)):
             f_nodes = sorted(frontier, key=lambda i: (-score[i], i))[: b.topk]
             span = slot + len(f_nodes)
             visible = torch.zeros(1, len(f_nodes), span, dtype=torch.bool, device=dev)

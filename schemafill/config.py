@@ -149,6 +149,7 @@ class DecodeConfig:
     constrain: str = "none"
     close_margin: int = 64  # constrained: this many tokens before max_new_tokens, close whatever may close (0 = off)
     copy_len: int = 4  # SchemaFill's MAIN chains copied from the prompt and the response (0 = off; beyond the paper)
+    chain_head_depth: int = 0  # SchemaFill: the head tree's depth in rounds with a packed chain (0 = depth)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
     # cost: each round verifies the candidates worth their measured cost on this hardware
@@ -168,6 +169,8 @@ class DecodeConfig:
             raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
         if self.select not in SELECT_MODES:
             raise ValueError(f"decode.select must be one of {SELECT_MODES}, got {self.select!r}")
+        if self.chain_head_depth < 0:
+            raise ValueError(f"decode.chain_head_depth must be 0 (the tree's depth) or more, got {self.chain_head_depth}")
 
 
 @dataclass

@@ -119,8 +119,11 @@ def test_cost_aware_selection_is_the_default_and_the_paper_keeps_its_fixed_budge
     assert TreeBudget.of(paper) == SCHEMAFILL_BUDGET
     # the default's head tree is a deeper candidate pool, the rest is the paper's
     assert TreeBudget.of(default).depth > paper.depth
-    assert {k: v for k, v in vars(default).items() if k not in ("select", "depth", "total_tokens")} == \
-        {k: v for k, v in vars(paper).items() if k not in ("select", "depth", "total_tokens")}
+    # ... drafted one level deep beside a packed chain (the paper's drafts its full depth)
+    assert (default.chain_head_depth, paper.chain_head_depth) == (1, 0)
+    differ = ("select", "depth", "total_tokens", "chain_head_depth")
+    assert {k: v for k, v in vars(default).items() if k not in differ} == \
+        {k: v for k, v in vars(paper).items() if k not in differ}
     with pytest.raises(Exception, match="decode.select must be one of"):
         to_dataclass(compose(["decode.select=cheap", "logger=none"]))
 

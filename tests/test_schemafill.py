@@ -12,6 +12,7 @@ from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
 from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
+from infer.tree import ROOT
 from schemafill.drafter import Eagle3Head, HeadConfig
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
@@ -139,6 +140,25 @@ def test_cost_aware_rounds_equal_ar_whatever_they_keep(tiny_target, base_target)
     for name, ar, out in check(target, tok, eos, ["wrong_order"], "D", max_new=48, oracle=True, budget=budget):
         assert out.target_calls < ar.target_calls / 2  # measured: 9 calls for AR's 48 tokens
     assert budget.stats.table()  # it learnt from what it verified
+
+
+def test_a_shallower_head_beside_a_packed_chain_is_lossless_and_drafts_one_level(base_target):
+    """``chain_head_depth=1``: in rounds where the packer has a chain, the head drafts only its
+    root's children (one forward fewer per level); AR's tokens either way, fewer nodes."""
+    target, tok, eos = base_target
+    nodes = {}
+    for depth in (0, 1):
+        # the built-in model writes hermes blocks from the hermes prompt: the packer has chains
+        for name, ar, out in check(target, tok, eos, ["one_tool", "wrong_order"], "D", max_new=48, fmt=HERMES,
+                                   chain_head_depth=depth):
+            nodes[depth] = nodes.get(depth, 0) + sum(out.nodes)
+    assert nodes[1] < nodes[0]
+    drafter = HeadDrafter(random_head(target), SCHEMAFILL_BUDGET)
+    ids = prompt_ids(request("bm25"), "plain", tok)
+    drafter.start(len(ids) + 4)
+    aux = torch.randn(len(ids) - 1, 3 * target.config.hidden_size)
+    tree, parents, _ = drafter.scored(ids, aux, depth=1)
+    assert len(tree) == SCHEMAFILL_BUDGET.topk and parents == [ROOT] * SCHEMAFILL_BUDGET.topk
 
 
 def test_builtin_model_with_prepared_values_is_lossless_and_fewer_calls(base_target):

@@ -99,6 +99,7 @@ class SchemaFillConfig:
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
+    chain_head_depth: int = 0  # the head tree's depth in rounds the packer proposes a chain (0: the budget's)
 
     def __post_init__(self) -> None:
         if self.ablation not in ABLATIONS:
@@ -133,7 +134,7 @@ def build(ctx: DecoderContext, method: str) -> "SchemaFill":
                       SchemaFillConfig(budget=TreeBudget.of(d),
                                        forecast_budget=d.forecast_budget, ablation=ablation, side_depth=d.side_depth,
                                        pack_provisional=d.pack_provisional, side_optional=d.side_optional,
-                                       copy_len=d.copy_len),
+                                       copy_len=d.copy_len, chain_head_depth=d.chain_head_depth),
                       ctx.budget(), ctx.fmt)
 
 
@@ -288,11 +289,12 @@ class SchemaFill:
                    text: str, state: Any) -> Candidates:
         """The head's draft tree, merged with prompt-lookup copies and the packer's chain."""
         cfg = self.cfg
-        parts = [self.drafter.candidates(s.tokens, s.new_aux)]
+        parts = []
         if cfg.copy_len and cfg.forecasts:
             # values are mostly copied from the request, and a response repeats itself
             parts += [Candidates.chain(copy_after_suffix(s.tokens, source, length=cfg.copy_len), kind)
                       for source, kind in ((prompt, "copy_prompt"), (s.response, "copy_response"))]
+        packed = []
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None
             # a lone trailing space before an unknown value would not be the target's token
@@ -306,4 +308,8 @@ class SchemaFill:
                 first = next((i for i, k in enumerate(kinds) if k != BRIDGE), len(kinds))
                 parts.append(Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}"
                                                               for i, k in enumerate(kinds)]))
-        return Candidates.merged(parts, self.budget.stats.rate)
+        # beside a packed chain the head's deeper levels are rarely taken, and each costs a
+        # head forward every round: there it may draft fewer levels (its catch-up runs either way)
+        depth = cfg.chain_head_depth if packed and cfg.chain_head_depth else None
+        return Candidates.merged([self.drafter.candidates(s.tokens, s.new_aux, depth), *parts],
+                                 self.budget.stats.rate)

@@ -9,11 +9,15 @@ import torch
 from infer.constraint import SchemaGrammars, json_schema, minimal_value, response_schema, valid_response
 from infer.decoders.ar import decode_ar
 from infer.decoders.eagle3 import decode_tree
+from infer.decoders.ngram import Ngram
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
+from infer.decoders.suffix import SuffixDecoding
+from infer.decoders.toolspec import ToolSpec
 from infer.decoders.toolspec_lite import ToolSpecLite
 from infer.decoding import DecodeOptions
 from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
 from infer.tree import ROOT
+from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.models import load_tokenizer
 from schemafill.parser import parse_prefix
 from schemafill.prompt import prompt_ids
@@ -145,6 +149,9 @@ def test_every_decoder_equals_constrained_ar_in_every_format(fmt, tiny_target, m
     head = random_head(target)
     sf = SchemaFill(target, tok, head, eos, 48, SchemaFillConfig(budget=SCHEMAFILL_BUDGET), fmt=fmt)
     ts = ToolSpecLite(target, tok, eos, 48, fmt=fmt)
+    peers = {"toolspec": ToolSpec(target, tok, eos, 48, ToolSpecConfig(), fmt=fmt),
+             "ngram": Ngram(target, tok, eos, 48, NgramConfig(), fmt=fmt),
+             "suffix": SuffixDecoding(target, tok, eos, 48, SuffixConfig(), fmt=fmt)}
     for name in ("bm25", "no_params"):
         req = request(name)
         ids = prompt_ids(req, "plain", tok, fmt=fmt)
@@ -158,6 +165,8 @@ def test_every_decoder_equals_constrained_ar_in_every_format(fmt, tiny_target, m
                                   fmt=fmt),
             "toolspec_lite": ts.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
             "schemafill": sf.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions))),
+            **{m: d.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.functions)))
+               for m, d in peers.items()},
         }
         for method, out in outs.items():
             assert out.ids == ar.ids, (name, method, ar.text, out.text)

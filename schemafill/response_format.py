@@ -43,6 +43,7 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=SEPARATORS)
 
 
+NO_TOOL = "None of the available tools can do that."  # the reply in words of the tagged and lead formats
 ARGS_FIRST_EXAMPLE = '{"arguments": {"<argument>": <JSON value>, ...}, "name": "<tool name>"}'
 
 
@@ -224,7 +225,7 @@ HERMES = ResponseFormat(
     call_bridge="\n</tool_call>\n<tool_call>\n",
     close="\n</tool_call>",
     self_closing=False,
-    empty="None of the available tools can do that.",
+    empty=NO_TOOL,
     template="<tool_call>\n" + CALL_EXAMPLE + "\n</tool_call>",
     open_tag="<tool_call>",
     close_tag="</tool_call>",
@@ -243,7 +244,7 @@ MISTRAL = ResponseFormat(
     call_bridge=", ",
     close="]",
     self_closing=True,
-    empty="None of the available tools can do that.",
+    empty=NO_TOOL,
     template="[TOOL_CALLS] [" + CALL_EXAMPLE + ", ...]",
     lead="[TOOL_CALLS]",
 )

@@ -124,7 +124,8 @@ class Engine:
     @property
     def grammars(self) -> SchemaGrammars:
         if self._grammars is None:  # xgrammar and the vocabulary's tables: only once a request needs them
-            self._grammars = SchemaGrammars(self.tokenizer, self.target.config.vocab_size, fmt=self.fmt, stop_ids=self.eos)
+            self._grammars = SchemaGrammars(self.tokenizer, self.target.config.vocab_size, fmt=self.fmt,
+                                            stop_ids=self.eos)
         return self._grammars
 
     def prepare(self, chat: ChatRequest) -> Job:

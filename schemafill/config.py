@@ -170,7 +170,8 @@ class DecodeConfig:
         if self.select not in SELECT_MODES:
             raise ValueError(f"decode.select must be one of {SELECT_MODES}, got {self.select!r}")
         if self.chain_head_depth < 0:
-            raise ValueError(f"decode.chain_head_depth must be 0 (the tree's depth) or more, got {self.chain_head_depth}")
+            raise ValueError(f"decode.chain_head_depth must be 0 (the tree's depth) or more, "
+                             f"got {self.chain_head_depth}")
 
 
 @dataclass

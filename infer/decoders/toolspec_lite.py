@@ -99,7 +99,8 @@ class ToolSpecLite:
             if suffix:
                 chains.append(continuation_ids(self.tokenizer, committed, text, suffix.rstrip(" "), self.fmt))
         if state.call_index is None and state.calls_started:  # or the list closes here
-            chains.append(continuation_ids(self.tokenizer, committed, text, propose(text, state, [], fmt=self.fmt), self.fmt))
+            closing = propose(text, state, [], fmt=self.fmt)
+            chains.append(continuation_ids(self.tokenizer, committed, text, closing, self.fmt))
         # retrieval and prompt lookup: earlier outputs, the prompt, the response so far
         context = s.tokens  # prompt + committed (the pending token last)
         for source in sources + [committed]:

@@ -104,7 +104,7 @@ def test_each_format_has_its_grammar_and_a_marker_token_is_that_token(smol_token
         ids = tok(text, add_special_tokens=False).input_ids
         c = grammars.constraint([fn])
         assert walk(c, ids), fmt.name
-        c.count, end = len(ids), c.next_allowed()  # complete: EOS may end it (alone, where the text closed it)
+        end = c.next_allowed()  # complete: EOS may end it (alone, where the text closed it)
         assert end[tok.eos_token_id] and (int(end.sum()) == 1) == fmt.self_closing, fmt.name
         c = grammars.constraint([fn])
         assert not walk(c, ids[:-2]) or not c.next_allowed()[tok.eos_token_id]  # cut short: no EOS yet

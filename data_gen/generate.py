@@ -38,7 +38,7 @@ from schemafill.compose import compositions
 from schemafill.config import PipelineConfig, to_dict
 from schemafill.device import resolve_device, resolve_dtype
 from schemafill.feature_cache import FEATURES, FeatureCache, RowFeatures
-from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
+from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
 from schemafill.generate import generate
 from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
 from schemafill.prompt import model_prompt_ids
@@ -157,10 +157,9 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     fp = fingerprint({"model": model_key, "target": target_fp, "gen": to_dict(cfg.data.continuations),
                       "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
                       "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 2})
-    if is_fresh(out, fp, OUTPUTS + ([f"{FEATURES}/meta.json"] if cfg.data.continuations.features else [])):
-        stats = json.loads((out / "stats.json").read_text())
-        if state.is_main_process:
-            print(f"[continuations] up to date in {out} (fingerprint {fp}): {stats['rows']} rows")
+    outputs = OUTPUTS + ([f"{FEATURES}/meta.json"] if cfg.data.continuations.features else [])
+    if (stats := load_if_fresh("continuations", out, fp, outputs, "stats.json", lambda s: f"{s['rows']} rows",
+                               quiet=not state.is_main_process)) is not None:
         return {**stats, "cached": True}
 
     work = out.parent / f".{out.name}.shards" / fp  # keyed by fingerprint: a changed input never mixes in

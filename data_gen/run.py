@@ -9,7 +9,6 @@ user's own JSONL files → ``artifacts/requests/{bfcl450,glaive650,train}.jsonl`
 
 from __future__ import annotations
 
-import json
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -19,7 +18,7 @@ from data_gen.generate import build_continuations
 from data_gen.splits import make_splits
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
-from schemafill.fingerprint import fingerprint, is_fresh, write_manifest
+from schemafill.fingerprint import fingerprint, load_if_fresh, write_manifest
 from schemafill.records import RejectLog, read_requests, write_requests
 from schemafill.tracking import NullTracker, Tracker
 
@@ -40,9 +39,7 @@ def build_requests(cfg: PipelineConfig, tracker: Tracker | None = None) -> dict:
         "format": 1,
     })
     outputs = ["bfcl450.jsonl", "train.jsonl", "stats.json"]
-    if is_fresh(out_dir, fp, outputs):
-        stats = json.loads((out_dir / "stats.json").read_text())
-        print(f"[requests] up to date in {out_dir} (fingerprint {fp}); {_counts(stats)}")
+    if (stats := load_if_fresh("requests", out_dir, fp, outputs, "stats.json", _counts)) is not None:
         return {**stats, "cached": True}
 
     log = RejectLog(strict=cfg.data.strict)

@@ -8,8 +8,11 @@ the decoding code changed nothing a user could see.
 A record holds, for every mode (greedy; ``decode.constrain=schema``; sampled at temperature
 1) and every method of that mode, each request's response tokens, stop reason, target calls
 and nodes verified per round, on ``--limit`` requests spread over BFCL450, decoded with the
-`make run` target and head. Speed is left out: two launches never time alike. ``compare``
-names every request whose record differs and exits 1 when any does. A mode already recorded
+`make run` target and head. Speed is left out: two launches never time alike. So is
+everything that depends on it: the records price a round's host-side work at a fixed
+``decode.host_ms`` rather than the measured one, and read the cost curve from the host's cache
+(the curve each mode used is recorded, and compared first). ``compare`` names every request
+whose record differs and exits 1 when any does. A mode already recorded
 in the output file is kept, so an interrupted ``record`` resumes at the next mode.
 """
 
@@ -29,6 +32,7 @@ MODES: dict[str, tuple[list[str], list[str]]] = {  # mode → (methods, decode o
     "sampled": (["ar", "eagle3", "toolspec", "schemafill"], ["decode.temperature=1.0"]),
 }
 FIELDS = ("output_ids", "stop", "target_calls", "nodes", "forced", "pruned")  # what must not change
+HOST_MS = 25.0  # the host-side ms per round selection assumes in a record (about a SchemaFill round on 2 cores)
 
 
 def record(out: Path, artifacts: Path, model: str, head: Path | None, limit: int, modes: list[str]) -> dict:
@@ -51,11 +55,13 @@ def record(out: Path, artifacts: Path, model: str, head: Path | None, limit: int
         cfg = compose_config("infer", [
             f"model={model}", f"paths.artifacts={artifacts}", f"requests={requests}", f"head={head}",
             f"methods=[{','.join(methods)}]", f"limit={limit}", "warmup=0", "logger=none",
-            f"out={out.parent / f'.{out.stem}_{mode}'}", *overrides], InferConfig)
+            f"out={out.parent / f'.{out.stem}_{mode}'}", f"decode.host_ms={HOST_MS}", *overrides], InferConfig)
         print(f"[behaviour] {mode}: {', '.join(methods)} on {limit} requests")
-        rows = run(cfg)["rows"]
+        result = run(cfg)
         done.setdefault("modes", {})[mode] = {
-            m: {f"{r['id']}#{r['sample']}": {k: r[k] for k in FIELDS} for r in rs} for m, rs in rows.items()}
+            m: {f"{r['id']}#{r['sample']}": {k: r[k] for k in FIELDS} for r in rs} for m, rs in result["rows"].items()}
+        done.setdefault("cost_model", {})[mode] = next(
+            (v["selection"]["cost_model"] for v in result["metrics"].values() if "selection" in v), None)
         done["limit"] = limit
         atomic.write_json(out, done)  # after every mode: an interrupted record resumes here
     return done
@@ -64,6 +70,10 @@ def record(out: Path, artifacts: Path, model: str, head: Path | None, limit: int
 def differences(before: dict, after: dict) -> tuple[int, list[str]]:
     """(requests compared, one line per difference) between two records."""
     lines, compared = [], 0
+    for mode, curve in before.get("cost_model", {}).items():
+        if after.get("cost_model", {}).get(mode) != curve:  # selection was priced otherwise: nodes may move
+            lines.append(f"{mode}: the cost curves differ ({_short(curve)} -> "
+                         f"{_short(after.get('cost_model', {}).get(mode))}): clear neither host's cache between records")
     for mode, methods in before["modes"].items():
         if mode not in after["modes"]:
             lines.append(f"{mode}: not in the second record")

@@ -105,4 +105,4 @@ class DecoderContext:
 
     def budget(self) -> NodeBudget:
         """A fresh per-decoder node budget: cost-aware under ``decode.select=cost``."""
-        return NodeBudget(self.cost)
+        return NodeBudget(self.cost, fixed_host_ms=self.decode.host_ms)

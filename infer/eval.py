@@ -32,7 +32,7 @@ from typing import Any
 
 from schemafill import atomic
 from schemafill.config import InferConfig, LoggerConfig, PipelineConfig, to_dict
-from schemafill.fingerprint import file_digest, fingerprint, is_fresh, read_manifest, write_manifest
+from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
 from schemafill.models import target_location
 from schemafill.response_format import JSON, ResponseFormat
 from schemafill.toolcall import parse_response
@@ -129,11 +129,9 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
                       "target": (read_manifest(location) or {}).get("fingerprint", location),
                       "head": (read_manifest(head) or {}).get("fingerprint"), "seed": cfg.seed,
                       "requests": {d: file_digest(f) for d, f in present.items()}, "format": 1})
-    if is_fresh(out, fp, OUTPUTS):
-        print(f"[eval] up to date in {out} (fingerprint {fp})")
+    if (metrics := load_if_fresh("eval", out, fp, OUTPUTS, "metrics.json")) is not None:
         write_summary(out.parent)
-        return {"metrics": json.loads((out / "metrics.json").read_text()), "report": str(out / "report.md"),
-                "cached": True}
+        return {"metrics": metrics, "report": str(out / "report.md"), "cached": True}
 
     work = out.parent / f".{out.name}.work" / fp
     metrics: dict[str, dict] = {}

@@ -25,6 +25,11 @@ class NodeBudget:
     cost: CostModel | None = None  # None: keep every candidate (the fixed budget)
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     host_ms: float = 0.0  # running estimate of a round's host-side work (drafting, packing)
+    fixed_host_ms: float | None = None  # a fixed estimate instead (selection independent of timing)
+
+    def __post_init__(self) -> None:
+        if self.fixed_host_ms is not None:
+            self.host_ms = self.fixed_host_ms
 
     @property
     def active(self) -> bool:
@@ -47,6 +52,8 @@ class NodeBudget:
 
     def host(self, ms: float) -> None:
         """One round's host-side milliseconds (outside the target call)."""
+        if self.fixed_host_ms is not None:
+            return
         self.host_ms = ms if not self.host_ms else (1 - HOST_EMA) * self.host_ms + HOST_EMA * ms
 
     def report(self) -> dict:

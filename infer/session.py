@@ -54,24 +54,38 @@ class Verified:
 
 
 @dataclass
+class Counters:
+    """What a request cost the target, counted as DESIGN §3 counts it."""
+
+    target_calls: int = 0  # the prefill, then one per verification
+    nodes: list[int] = field(default_factory=list)  # tree nodes (MAIN + SIDE) per verification
+    peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
+    forced: int = 0  # response tokens the grammar allowed alone (the ones after a verification need no target decision)
+    pruned: int = 0  # draft nodes the grammar ruled out before verification
+
+    def call(self, nodes: int, rows: int) -> None:
+        """One target call that verified ``nodes`` tree nodes with ``rows`` arena rows live."""
+        self.target_calls += 1
+        self.nodes.append(nodes)
+        self.peak_rows = max(self.peak_rows, rows)
+
+
+@dataclass
 class MainSession:
     target: Target
     prompt: list[int]
     stop: ResponseStop
     scratch: int = 64  # most MAIN tree nodes one verification may carry
     side_capacity: int = 0  # arena rows for SIDE branches
-    tokens: list[int] = field(default_factory=list)  # prompt + committed response (last one pending)
-    n_kv: int = 0  # slots holding committed KV
-    target_calls: int = 0
-    nodes: list[int] = field(default_factory=list)  # tree nodes (MAIN + SIDE) per verification
-    new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
-    peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
-    prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
-    prompt_final: torch.Tensor | None = None  # [H] the target's final hidden state there (ToolSpec's retrieval key)
     sampler: Sampler | None = None  # how MAIN picks its token at each node (None: greedy)
     constraint: Constraint | None = None  # the response grammar MAIN's choices obey, or that only prunes drafts
-    forced: int = 0  # response tokens the grammar allowed alone (the ones after a verification need no target decision)
-    pruned: int = 0  # draft nodes the grammar ruled out before verification
+    tokens: list[int] = field(default_factory=list)  # prompt + committed response (last one pending)
+    n_kv: int = 0  # slots holding committed KV
+    counts: Counters = field(default_factory=Counters)
+    # the target's features the drafters read
+    new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
+    prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
+    prompt_final: torch.Tensor | None = None  # [H] the target's final hidden state there (ToolSpec's retrieval key)
 
     def __post_init__(self) -> None:
         self.layout = ArenaLayout(len(self.prompt), self.stop.max_new_tokens, self.scratch, self.side_capacity)
@@ -92,8 +106,9 @@ class MainSession:
 
     def decoded(self, **extra) -> Decoded:
         """What the decoder returns: the response and this session's counters."""
-        return Decoded(ids=self.response, text=self.stop.text, stop=self.stop.reason, target_calls=self.target_calls,
-                       nodes=self.nodes, kv_rows=self.peak_rows, forced=self.forced, pruned=self.pruned, **extra)
+        c = self.counts
+        return Decoded(ids=self.response, text=self.stop.text, stop=self.stop.reason, target_calls=c.target_calls,
+                       nodes=c.nodes, kv_rows=c.peak_rows, forced=c.forced, pruned=c.pruned, **extra)
 
     def prefill(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Verified:
         """The prompt, optionally with a MAIN tree hanging off its last token and extra
@@ -129,7 +144,7 @@ class MainSession:
             return tree_tokens, parents, list(range(len(tree_tokens))), None
         allowed, ok = self.constraint.check(tree_tokens, parents)
         index, parents = prune(parents, ok)
-        self.pruned += len(tree_tokens) - len(index)
+        self.counts.pruned += len(tree_tokens) - len(index)
         rows = None if allowed is None else allowed[[0] + [1 + i for i in index]]  # None: the target stays free
         return [tree_tokens[i] for i in index], parents, index, rows
 
@@ -142,7 +157,7 @@ class MainSession:
                 return
             self.constraint.advance([t])
             self.tokens.append(t)
-            self.forced += 1
+            self.counts.forced += 1
 
     def _run(self, tokens: list[int], positions: list[int], slots: list[int], visible: torch.Tensor, root_slot: int,
              tree_tokens: list[int], parents: list[int], index: list[int], allowed: torch.Tensor | None,
@@ -163,10 +178,8 @@ class MainSession:
                         mask.to(dev)[None], torch.tensor(slots, device=dev)[None], self.arena,
                         logits_at=torch.arange(first, rows, device=dev)[None] if first else None)
         logits = f.logits[0]  # [rows - first, V]: the root, MAIN's tree, then the extra segments
-        self.target_calls += 1
-        self.nodes.append(rows - main_rows + len(tree_tokens))
         side = {s for seg in extra for see in seg.visible for s in see if s >= self.side_base}
-        self.peak_rows = max(self.peak_rows, max(slots[:main_rows]) + 1 + len(side))
+        self.counts.call(rows - main_rows + len(tree_tokens), max(slots[:main_rows]) + 1 + len(side))
         first_tree = first + 1  # index of the first MAIN tree node in this call
         # the root and MAIN's tree [1 + m, V]: each node chooses among what the grammar allows
         # after its path, greedily or by an independent draw (exact speculative sampling)
@@ -183,7 +196,7 @@ class MainSession:
             # a token the grammar allowed alone counts as forced however it was committed, so
             # AL without forced tokens means the same for every decoder
             rows = allowed[[0] + [1 + i for i in accepted]][:taken]  # [taken, V]
-            self.forced += int((rows.sum(-1) == 1).sum())
+            self.counts.forced += int((rows.sum(-1) == 1).sum())
         if prefill:
             self.prompt_aux = f.aux[0, len(self.prompt) - 1]
             self.prompt_final = f.final[0, 0]

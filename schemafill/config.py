@@ -157,6 +157,10 @@ class DecodeConfig:
     select: str = "cost"
     cost_context: int = 512  # committed positions the start-up cost measurement attends to
     cost_cache: str = ""  # folder of measured cost curves ("" = $XDG_CACHE_HOME/schemafill/cost)
+    # a round's host-side milliseconds as selection prices them: null = measured as the launch
+    # goes (the default); a number fixes it, so the nodes kept no longer depend on timing and
+    # two launches verify the same trees (infer/behaviour.py)
+    host_ms: float | None = None
     # the training-free peers' own settings
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
@@ -169,6 +173,8 @@ class DecodeConfig:
             raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
         if self.select not in SELECT_MODES:
             raise ValueError(f"decode.select must be one of {SELECT_MODES}, got {self.select!r}")
+        if self.host_ms is not None and self.host_ms < 0:
+            raise ValueError(f"decode.host_ms must be null (measured) or >= 0, got {self.host_ms}")
         if self.chain_head_depth < 0:
             raise ValueError(f"decode.chain_head_depth must be 0 (the tree's depth) or more, "
                              f"got {self.chain_head_depth}")

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from schemafill import atomic
 
@@ -46,6 +46,18 @@ def is_fresh(folder: str | os.PathLike, fp: str, outputs: list[str]) -> bool:
         manifest is not None and manifest.get("fingerprint") == fp
         and all((Path(folder) / name).exists() for name in outputs)
     )
+
+
+def load_if_fresh(stage: str, folder: str | os.PathLike, fp: str, outputs: list[str], result: str,
+                  describe: Callable[[dict], str] | None = None, quiet: bool = False) -> dict | None:
+    """A stage's stored ``result`` (a JSON file among ``outputs``) when ``folder`` is fresh
+    for ``fp``, after saying so (``describe`` adds a summary); None when the stage must run."""
+    if not is_fresh(folder, fp, outputs):
+        return None
+    stored = json.loads((Path(folder) / result).read_text())
+    if not quiet:
+        print(f"[{stage}] up to date in {folder} (fingerprint {fp})" + (f": {describe(stored)}" if describe else ""))
+    return stored
 
 
 def write_manifest(folder: str | os.PathLike, fp: str, **extra: Any) -> None:

@@ -190,51 +190,35 @@ class ToolCallParser:
 
     def _between_tags(self, ch: str) -> None:
         """A tagged format outside its call objects: whitespace, or the tags as literals."""
-        if self._tag is not None:
-            tag, matched = self._tag
-            if ch != tag[matched]:
-                self._fail(f"expected {tag!r}")
-            elif matched + 1 < len(tag):
-                self._tag = (tag, matched + 1)
-            else:
-                self._tag = None
-                self._tag_closed(tag)
+        if self._tag is None and ch in _WHITESPACE:
             return
-        if ch in _WHITESPACE:
-            return
-        expected = self._fmt.close_tag if self._outer == "after_call" else self._fmt.open_tag
-        if ch != expected[0]:
-            self._fail(f"expected {expected!r}, got {ch!r}")
-        elif len(expected) == 1:
-            self._tag_closed(expected)
-        else:
-            self._tag = (expected, 1)
+        tag = self._tag[0] if self._tag else self._fmt.close_tag if self._outer == "after_call" else self._fmt.open_tag
+        if self._literal(ch, tag):
+            self._tag_closed(tag)
 
     def _before_list(self, ch: str) -> None:
         """A lead format before its list: whitespace, the lead marker as a literal, whitespace,
         and the list's ``[``, which stands where the json format's list opens."""
-        lead = self._fmt.lead
-        if self._tag is not None:  # inside the marker
-            matched = self._tag[1]
-            if ch != lead[matched]:
-                self._fail(f"expected {lead!r}")
-            elif matched + 1 < len(lead):
-                self._tag = (lead, matched + 1)
-            else:
-                self._tag, self._outer = None, "lead"
-        elif ch in _WHITESPACE:
+        if self._tag is None and ch in _WHITESPACE:
             return
-        elif self._outer == "start":
-            if ch != lead[0]:
-                self._fail(f"expected {lead!r}, got {ch!r}")
-            else:
-                self._tag = (lead, 1)
+        if self._tag is not None or self._outer == "start":
+            if self._literal(ch, self._fmt.lead):
+                self._outer = "lead"
         elif ch != "[":
             self._fail(f"expected '[', got {ch!r}")
         else:
             self._outer = "list"
             self._stack = [_Frame("obj", "value", key=KEY)]
             self._start_value(ch)
+
+    def _literal(self, ch: str, literal: str) -> bool:
+        """Match ``ch`` against the format's literal (a tag or marker) being read; True once whole."""
+        matched = self._tag[1] if self._tag else 0
+        if ch != literal[matched]:
+            self._fail(f"expected {literal!r}" + ("" if matched else f", got {ch!r}"))
+            return False
+        self._tag = (literal, matched + 1) if matched + 1 < len(literal) else None
+        return self._tag is None
 
     def _tag_closed(self, tag: str) -> None:
         if tag == self._fmt.close_tag:
@@ -437,24 +421,3 @@ def value_literal(text: str, key: str, fmt: ResponseFormat = JSON) -> str | None
     state = parse_prefix(text, fmt)
     return next((text[a:e] for k, a, e in state.spans if k == key), None)
 
-
-def closing_offsets(text: str) -> list[int]:
-    """Offsets of the structural ``,``, ``}`` and ``]`` of JSON ``text`` (outside strings).
-
-    Each is where the writer decides between another member (key, element or call) and
-    closing the container: the decisions that, when wrong, repeat keys or calls or never
-    close (``train.target.decision_weight`` weights their tokens)."""
-    offsets, in_string, escaped = [], False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in ",}]":
-            offsets.append(i)
-    return offsets

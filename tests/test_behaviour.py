@@ -57,3 +57,11 @@ def test_a_record_resumes_only_with_the_same_requests(tmp_path):
     (tmp_path / "heads" / "m" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="--limit 2, not 30"):
         record(out, tmp_path, "m", None, 30, ["sampled"])
+
+
+def test_records_priced_on_other_cost_curves_are_named_first():
+    before = {**copy.deepcopy(BEFORE), "cost_model": {"greedy": {"sizes": [1, 64], "ms": [50.0, 180.0]}}}
+    after = {**copy.deepcopy(BEFORE), "cost_model": {"greedy": {"sizes": [1, 64], "ms": [51.0, 180.0]}}}
+    compared, lines = differences(before, after)
+    assert compared == 4 and len(lines) == 1 and lines[0].startswith("greedy: the cost curves differ")
+    assert differences(before, copy.deepcopy(before)) == (4, [])

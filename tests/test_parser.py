@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemafill.parser import ToolCallParser, closing_offsets, parse_prefix
+from schemafill.parser import ToolCallParser, parse_prefix
 from schemafill.toolcall import ToolCall, serialize_calls
 
 
@@ -175,9 +175,3 @@ def test_nested_keys_do_not_change_the_field():
     state = parse_prefix(text)
     assert (state.field, state.in_value, state.value_type) == ("outer", True, "object")
 
-
-def test_closing_offsets_skip_strings_and_escapes():
-    text = '{"a": "x, y}", "b": [1, {"c": "q\\"]"}]}'
-    assert [text[i] for i in closing_offsets(text)] == [",", ",", "}", "]", "}"]
-    assert closing_offsets(text) == [13, 22, 36, 37, 38]
-    assert closing_offsets('"a,b"') == [] and closing_offsets("") == []

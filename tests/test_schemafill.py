@@ -13,6 +13,7 @@ from infer.decoders.eagle3 import decode_tree
 from infer.decoders.schemafill import SchemaFill, SchemaFillConfig
 from infer.head_drafter import SCHEMAFILL_BUDGET, HeadDrafter
 from infer.tree import ROOT
+from schemafill.config import DecodeConfig
 from schemafill.drafter import Eagle3Head, HeadConfig
 from schemafill.models import generation_eos, load_tokenizer
 from schemafill.prompt import prompt_ids
@@ -109,6 +110,19 @@ def base_target(builtin_artifacts):
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"
     tok = load_tokenizer(str(folder))
     return load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27]), tok, generation_eos(str(folder), tok)
+
+
+def test_schemafill_config_takes_every_setting_decode_names():
+    d = DecodeConfig(topk=2, depth=3, total_tokens=5, forecast_budget=2, ablation="C", side_depth=0,
+                     pack_provisional=False, side_optional=False, copy_len=0, chain_head_depth=1)
+    c = SchemaFillConfig.of(d)
+    assert (c.budget.topk, c.budget.depth, c.budget.total) == (2, 3, 5)
+    assert (c.forecast_budget, c.ablation, c.side_depth, c.pack_provisional, c.side_optional, c.copy_len,
+            c.chain_head_depth) == (2, "C", 0, False, False, 0, 1)
+    assert c.max_branches == SchemaFillConfig.max_branches  # not a decode setting: the default
+    assert SchemaFillConfig.of(d, ablation="A").ablation == "A"
+    with pytest.raises(ValueError, match="decode.ablation"):
+        SchemaFillConfig.of(d, ablation="E")
 
 
 def test_random_model_every_ablation_equals_ar(tiny_target):

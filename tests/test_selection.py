@@ -13,6 +13,7 @@ from infer.cost_model import CostModel, isotonic, load_or_measure, measure
 from infer.node_budget import NodeBudget
 from infer.selection import expected_rate, path_values, select
 from infer.tree import ROOT
+from schemafill.config import DecodeConfig
 from tests.conftest import tiny_llama
 
 
@@ -34,6 +35,20 @@ def test_select_stops_where_the_next_node_costs_more_than_it_brings():
     assert select([ROOT, 0, 1], [0.9, 0.5, 0.05], linear(10, 0.001), fixed_rows=1) == [0, 1, 2]
     # rows expensive against the round: the target's own token alone
     assert select([ROOT, 0, 1], [0.9, 0.5, 0.05], linear(1, 10), fixed_rows=1) == []  # 1/11 > 1.9/21
+
+
+def test_a_fixed_host_estimate_keeps_selection_off_the_clock():
+    curve = CostModel((1, 64), (60.0, 3210.0))  # 10 + 50 ms a row: rows are dear unless the round is long
+    cand = Candidates([5, 6, 7], [ROOT, 0, 1], [head_source(0.9)] * 3)
+    fixed = NodeBudget(curve, fixed_host_ms=100.0)
+    fixed.host(1.0)  # a fast round changes nothing
+    assert fixed.host_ms == 100.0
+    assert len(fixed.choose(cand)) == 3  # beside 100 ms of host work every node pays
+    measured = NodeBudget(curve)
+    measured.host(1.0)
+    assert measured.host_ms == 1.0 and len(measured.choose(cand)) < 3
+    with pytest.raises(ValueError, match="decode.host_ms"):
+        DecodeConfig(host_ms=-1.0)
 
 
 def test_select_counts_host_time_in_the_round():

@@ -13,8 +13,8 @@ from schemafill.toolcall import ToolCall, ToolRequest, serialize_calls
 from tests.conftest import tiny_llama
 from train.layer_split import lower_states
 from train.sft import Progress, StepCost, detached_context_loss, loss_at_responses, lr_factor, response_loss
-from train.sft_data import (Example, batches, collate, decision_tokens, natural_first, split_collate,
-                            trim_catalog)
+from train.sft_data import (Example, batches, closing_offsets, collate, decision_tokens, natural_first,
+                            split_collate, trim_catalog)
 
 
 def request(tools: list[str], called: list[str]) -> ToolRequest:
@@ -141,3 +141,10 @@ def test_detached_context_gives_the_exact_loss_and_cuts_only_the_context_kv_path
     for name in ("k", "v"):
         assert not torch.allclose(grads[name], exact_grads[name], atol=1e-4), name
         assert grads[name].abs().sum() > 0  # the responses' own keys and values still learn
+
+
+def test_closing_offsets_skip_strings_and_escapes():
+    text = '{"a": "x, y}", "b": [1, {"c": "q\\"]"}]}'
+    assert [text[i] for i in closing_offsets(text)] == [",", ",", "}", "]", "}"]
+    assert closing_offsets(text) == [13, 22, 36, 37, 38]
+    assert closing_offsets('"a,b"') == [] and closing_offsets("") == []

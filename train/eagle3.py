@@ -33,7 +33,7 @@ from schemafill.config import PipelineConfig, to_dict
 from schemafill.device import cpu_bf16_native, resolve_dtype
 from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
 from schemafill.feature_cache import FEATURES, FeatureCache, Features
-from schemafill.fingerprint import fingerprint, is_fresh, read_manifest, write_manifest
+from schemafill.fingerprint import fingerprint, load_if_fresh, read_manifest, write_manifest
 from schemafill.losses import ttt_loss
 from schemafill.models import load_model, load_tokenizer, target_location
 from schemafill.runtime import from_hf_model
@@ -202,9 +202,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     location = target_location(cfg.model, cfg.paths.artifacts)
     fp = fingerprint({"model": to_dict(cfg.model), "target": (read_manifest(location) or {}).get("fingerprint", location),
                       "drafter": to_dict(dc), "train": to_dict(hc), "data": data_fp, "seed": cfg.seed, "recipe": 1})
-    if is_fresh(out, fp, OUTPUTS):
-        metrics = json.loads((out / "train_metrics.json").read_text())
-        print(f"[head] up to date in {out} (fingerprint {fp}): held-out acc {metrics['heldout_acc']}")
+    if (metrics := load_if_fresh("head", out, fp, OUTPUTS, "train_metrics.json",
+                                 lambda m: f"held-out acc {m['heldout_acc']}")) is not None:
         return {**metrics, "cached": True}
 
     # the scheduler steps once per optimizer step, whatever the process count (Accelerate's

@@ -14,7 +14,6 @@ import torch
 
 from schemafill.compose import compositions
 from schemafill.config import ModelConfig, TargetTrainConfig
-from schemafill.parser import closing_offsets
 from schemafill.prompt import model_prompt_ids, response_ids
 from schemafill.toolcall import ToolRequest, serialize_calls
 
@@ -79,9 +78,31 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
     return examples, stats
 
 
+def closing_offsets(text: str) -> list[int]:
+    """Offsets of the structural ``,``, ``}`` and ``]`` of JSON ``text`` (outside strings).
+
+    Each is where the writer decides between another member (key, element or call) and
+    closing the container: the decisions that, when wrong, repeat keys or calls or never
+    close (``train.target.decision_weight`` weights their tokens)."""
+    offsets, in_string, escaped = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in ",}]":
+            offsets.append(i)
+    return offsets
+
+
 def decision_tokens(text: str, ids: list[int], tokenizer: Any) -> list[int]:
     """Indexes into ``ids`` (``text`` tokenized) of the tokens holding one of its closing
-    decisions (``schemafill.parser.closing_offsets``): another key or call, or close."""
+    decisions (``closing_offsets``): another key or call, or close."""
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("train.target.decision_weight needs a fast tokenizer (character offsets); "
                          "set it to 1.0 for this target")

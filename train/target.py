@@ -30,7 +30,7 @@ from schemafill import atomic
 from schemafill.callmetrics import quality
 from schemafill.config import PipelineConfig, TargetTrainConfig, to_dict
 from schemafill.device import host_summary, resolve_device, use_bf16
-from schemafill.fingerprint import file_digest, fingerprint, is_fresh, write_manifest
+from schemafill.fingerprint import file_digest, fingerprint, is_fresh, load_if_fresh, write_manifest
 from schemafill.generate import generate, prefix_order
 from schemafill.models import load_config, load_model, load_tokenizer, target_dir
 from schemafill.prompt import model_prompt_ids
@@ -250,9 +250,7 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
     fp = fingerprint({**recipe, "budget": {k: v for k, v in settings.items() if k in BUDGET_KEYS and k not in GATE_KEYS},
                       "max_new_tokens": cfg.decode.max_new_tokens, "eval": file_digest(eval_file)})
     ckpt = Path(cfg.paths.artifacts) / "targets" / ".checkpoints" / f"{cfg.model.name}-{fingerprint(recipe)}"
-    if is_fresh(out, fp, OUTPUTS):
-        result = json.loads((out / "quality.json").read_text())
-        print(f"[target] up to date in {out} (fingerprint {fp})")
+    if (result := load_if_fresh("target", out, fp, OUTPUTS, "quality.json")) is not None:
         check_quality(result, tc, ckpt)
         return {**result, "cached": True}
     measured = ckpt / "quality.json"

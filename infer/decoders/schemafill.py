@@ -61,7 +61,7 @@ packer ``infer/packer.py``, verification ``infer/session.py``; this module runs 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from infer.align import current_call, rebind, rebind_by_keys, written_keys
@@ -78,7 +78,7 @@ from infer.selection import select
 from infer.session import MainSession, Segment, Verified
 from infer.side import SideBranches, SideContexts
 from infer.tree import ROOT, chain, merge
-from schemafill.config import ABLATIONS
+from schemafill.config import ABLATIONS, DecodeConfig
 from schemafill.response_format import JSON, ResponseFormat
 from schemafill.runtime import Target
 from schemafill.toolcall import ToolRequest
@@ -108,6 +108,12 @@ class SchemaFillConfig:
             raise ValueError(f"decode.side_depth must be 0 (SIDE branches advance by the target's token) or 1 "
                              f"(plus one head-drafted token per round, the paper's), got {self.side_depth}")
 
+    @classmethod
+    def of(cls, decode: DecodeConfig, **overrides: Any) -> "SchemaFillConfig":
+        """Every setting ``decode.*`` names (the others keep their defaults), then ``overrides``."""
+        named = {f.name for f in fields(cls)} & {f.name for f in fields(decode)}
+        return cls(budget=TreeBudget.of(decode), **{**{n: getattr(decode, n) for n in named}, **overrides})
+
     # what each ablation stage adds (A = EAGLE-3 inside this loop)
     @property
     def forecasts(self) -> bool:  # B: forecast-guided initialisation, structural packing, copies
@@ -129,13 +135,8 @@ class SchemaFillConfig:
 def build(ctx: DecoderContext, method: str) -> "SchemaFill":
     """``schemafill`` at ``decode.ablation``; ``schemafill_A`` .. ``schemafill_D`` at that stage."""
     d = ctx.decode
-    ablation = method.partition("_")[2] or d.ablation
-    return SchemaFill(ctx.target, ctx.tokenizer, ctx.head, ctx.eos, d.max_new_tokens,
-                      SchemaFillConfig(budget=TreeBudget.of(d),
-                                       forecast_budget=d.forecast_budget, ablation=ablation, side_depth=d.side_depth,
-                                       pack_provisional=d.pack_provisional, side_optional=d.side_optional,
-                                       copy_len=d.copy_len, chain_head_depth=d.chain_head_depth),
-                      ctx.budget(), ctx.fmt)
+    cfg = SchemaFillConfig.of(d, ablation=method.partition("_")[2] or d.ablation)
+    return SchemaFill(ctx.target, ctx.tokenizer, ctx.head, ctx.eos, d.max_new_tokens, cfg, ctx.budget(), ctx.fmt)
 
 
 class SchemaFill:

@@ -73,7 +73,8 @@ def differences(before: dict, after: dict) -> tuple[int, list[str]]:
     for mode, curve in before.get("cost_model", {}).items():
         if after.get("cost_model", {}).get(mode) != curve:  # selection was priced otherwise: nodes may move
             lines.append(f"{mode}: the cost curves differ ({_short(curve)} -> "
-                         f"{_short(after.get('cost_model', {}).get(mode))}): clear neither host's cache between records")
+                         f"{_short(after.get('cost_model', {}).get(mode))}): record both on one host, with one thread "
+                         f"count and its cached curve")
     for mode, methods in before["modes"].items():
         if mode not in after["modes"]:
             lines.append(f"{mode}: not in the second record")

@@ -192,7 +192,10 @@ class ToolCallParser:
         """A tagged format outside its call objects: whitespace, or the tags as literals."""
         if self._tag is None and ch in _WHITESPACE:
             return
-        tag = self._tag[0] if self._tag else self._fmt.close_tag if self._outer == "after_call" else self._fmt.open_tag
+        if self._tag is not None:  # inside a tag
+            tag = self._tag[0]
+        else:
+            tag = self._fmt.close_tag if self._outer == "after_call" else self._fmt.open_tag
         if self._literal(ch, tag):
             self._tag_closed(tag)
 

@@ -10,6 +10,13 @@ its own ancestors only, and each proposes ``topk`` children. Finally the ``total
 nodes overall become the draft; cumulative scores never grow along a path, so that set is
 closed under ancestors.
 
+A level past the first costs a head forward of host time every round. Given a ``price``
+(cost-aware selection's ``NodeBudget``), the tree stops growing when the next level's gain
+— at most the frontier's chances to be accepted, by the measured acceptance of drafts the
+head gives such probabilities — is not worth the milliseconds a level takes here (measured,
+a running mean per drafter): on a 2-core CPU the deeper levels of the built-in head rarely
+pay, on a GPU they are nearly free.
+
 Scratch head slots start right after the committed ones and are overwritten by the next
 catch-up; nothing drafted ever enters the committed head KV.
 """
@@ -17,8 +24,10 @@ catch-up; nothing drafted ever enters the committed head KV.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -46,6 +55,16 @@ class TreeBudget:
         return cls(decode.topk, decode.depth, decode.total_tokens)
 
 
+LEVEL_EMA = 0.2  # weight of the newest level in the running mean of a level's milliseconds
+
+
+class LevelPrice(Protocol):
+    def draft_rate(self, q: float) -> float:
+        """How often a draft the head gives probability ``q`` (given its parent) is accepted."""
+
+    def level_worth(self, gain: float, ms: float) -> bool:
+        """Is a level adding at most ``gain`` expected tokens worth ``ms`` of host time?"""
+
 # the two named presets of issue #6
 SCHEMAFILL_BUDGET = TreeBudget(topk=3, depth=2, total=8)  # the paper's: 8 draft tokens, top-k 3
 EAGLE_DEFAULTS = TreeBudget(topk=10, depth=5, total=60)  # EAGLE's published defaults
@@ -58,6 +77,7 @@ class HeadDrafter:
         self.draft_to_target = head.draft_to_target.tolist()
         self.arena = None
         self.done = 0  # head KV holds positions [0, done)
+        self.level_ms = 0.0  # running mean of one level past the first (0: not measured yet)
 
     def start(self, capacity: int, arena_slots: int = 0) -> None:
         """A new request: at most ``capacity`` committed positions; ``arena_slots``: at least
@@ -93,19 +113,21 @@ class HeadDrafter:
         tree, parents, _ = self.scored(tokens, new_aux)
         return tree, parents
 
-    def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None) -> Candidates:
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None,
+                   price: LevelPrice | None = None) -> Candidates:
         """The draft tree, each node tagged with the bucket of the head's own probability for it
         (given its parent): what cost-aware selection reads as its acceptance estimate."""
-        tree, parents, q = self.scored(tokens, new_aux, depth)
+        tree, parents, q = self.scored(tokens, new_aux, depth, price)
         return Candidates(tree, parents, [head_source(x) for x in q])
 
     @torch.inference_mode()
-    def scored(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None
-               ) -> tuple[list[int], list[int], list[float]]:
+    def scored(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None,
+               price: LevelPrice | None = None) -> tuple[list[int], list[int], list[float]]:
         """tokens: prompt + committed (the last ones pending: their target features do not
         exist yet); new_aux: [M, 3H] target features of the M newest positions that have them
         (those the head has not seen). The tree hangs off the last pending token, ``depth``
-        levels deep (default: the budget's; each level past the first is a head forward).
+        levels deep (default: the budget's; each level past the first is a head forward),
+        fewer when ``price`` says a level is not worth its time (module docstring).
         Returns the tree and the head's probability of each node given its parent."""
         head, dev, b = self.head, self.device, self.budget
         h, m = self.done, new_aux.shape[0]
@@ -128,8 +150,9 @@ class HeadDrafter:
                                         causal_visibility(step, q + 1), step, self.arena)[0, -1]
         n = len(tokens) - 1  # the tree's root: the last pending token
 
-        # candidates: token, parent, cumulative log-prob; fed nodes get a scratch slot and an output
-        tok, parent, score = [], [], []
+        # candidates: token, parent, cumulative log-prob, chance to be accepted (with a price);
+        # fed nodes get a scratch slot and an output
+        tok, parent, score, chance = [], [], [], []
         fed_slot: dict[int, int] = {}
         out_of: dict[int, torch.Tensor] = {}  # node -> its output hidden once fed
 
@@ -143,12 +166,18 @@ class HeadDrafter:
                     tok.append(self.draft_to_target[d])
                     parent.append(p)
                     score.append(base[f] + lp)
+                    if price is not None:
+                        chance.append(price.draft_rate(math.exp(lp)) * (1.0 if p == ROOT else chance[p]))
             return new
 
         frontier = expand([ROOT], root_out[None], [0.0])
         slot = n + 1
         for d in range(1, b.depth if depth is None else min(depth, b.depth)):
             f_nodes = sorted(frontier, key=lambda i: (-score[i], i))[: b.topk]
+            if price is not None and self.level_ms and not price.level_worth(sum(chance[i] for i in f_nodes),
+                                                                             self.level_ms):
+                break
+            started = time.perf_counter()
             span = slot + len(f_nodes)
             visible = torch.zeros(1, len(f_nodes), span, dtype=torch.bool, device=dev)
             visible[..., :n] = True
@@ -166,6 +195,8 @@ class HeadDrafter:
                 out_of[i] = outs[j]
             slot = span
             frontier = expand(f_nodes, outs, [score[i] for i in f_nodes])
+            ms = 1e3 * (time.perf_counter() - started)
+            self.level_ms = ms if not self.level_ms else (1 - LEVEL_EMA) * self.level_ms + LEVEL_EMA * ms
 
         chosen: set[int] = set()
         for i in sorted(range(len(tok)), key=lambda i: (-score[i], i)):

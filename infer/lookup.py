@@ -21,14 +21,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 
-def copy_after_suffix(context: list[int], source: list[int], n_max: int = 3, length: int = 8) -> list[int]:
+def copy_after_suffix(context: list[int], source: list[int], n_max: int = 3, length: int = 8,
+                      overlap: bool = False) -> list[int]:
     """The tokens after the last occurrence in ``source`` of the longest suffix of
-    ``context`` (at most ``n_max`` tokens) found there; [] when none is."""
+    ``context`` (at most ``n_max`` tokens) found there; [] when none is.
+
+    ``overlap``: ``source`` is the context's own tail (the response so far), so a copy that
+    reaches its end goes on with the tokens it has copied, as LZ77's overlapping copies do:
+    text that repeats with period p (a response caught in a loop) is proposed ``length``
+    tokens ahead, not just the p tokens left before the end."""
     for n in range(min(n_max, len(context)), 0, -1):
         tail = context[-n:]
         for start in range(len(source) - n - 1, -1, -1):  # leave at least one token to propose
             if source[start:start + n] == tail:
-                return source[start + n:start + n + length]
+                copied = source[start + n:start + n + length]
+                if overlap:
+                    period = len(source) - start - n
+                    while len(copied) < length:
+                        copied.append(copied[len(copied) - period])
+                return copied
     return []
 
 

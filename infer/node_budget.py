@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infer.acceptance import AcceptanceStats
+from infer.acceptance import AcceptanceStats, head_source
 from infer.candidates import Candidates
 from infer.cost_model import CostModel
-from infer.selection import path_values, select
+from infer.selection import expected_rate, path_values, select
 
 HOST_EMA = 0.2  # weight of the newest round in the host-side time estimate
 
@@ -26,6 +26,7 @@ class NodeBudget:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     host_ms: float = 0.0  # running estimate of a round's host-side work (drafting, packing)
     fixed_host_ms: float | None = None  # a fixed estimate instead (selection independent of timing)
+    rate: float = 0.0  # committed tokens per ms the last chosen set was expected to bring
 
     def __post_init__(self) -> None:
         if self.fixed_host_ms is not None:
@@ -40,7 +41,27 @@ class NodeBudget:
         (pending tokens, other segments)."""
         if self.cost is None or not len(cand):
             return cand
-        return cand.subset(select(cand.parents, self.values(cand), self.cost, fixed_rows, self.host_ms))
+        values = self.values(cand)
+        kept = select(cand.parents, values, self.cost, fixed_rows, self.host_ms)
+        self.expect(values, kept, fixed_rows)
+        return cand.subset(kept)
+
+    def expect(self, values: list[float], kept: list[int], fixed_rows: int) -> None:
+        """Record the rate the round's chosen set promises (what a drafter's next level must beat)."""
+        self.rate = expected_rate(values, kept, self.cost, fixed_rows, self.host_ms)
+
+    def draft_rate(self, q: float) -> float:
+        """How often a head draft of probability ``q`` has been accepted (its bucket's rate)."""
+        return self.stats.rate(head_source(q))
+
+    def level_worth(self, gain: float, ms: float) -> bool:
+        """Is a drafting step that adds at most ``gain`` expected tokens for ``ms`` of host time
+        worth it? Only when it beats the rate a round already promises. Without a cost
+        model (the fixed budget) or with a fixed host estimate (selection independent of
+        timing, for behaviour records), every step is."""
+        if self.cost is None or self.fixed_host_ms is not None:
+            return True
+        return gain >= self.rate * ms
 
     def values(self, cand: Candidates) -> list[float]:
         """Each node's chance to be on the accepted path, by the current estimates."""

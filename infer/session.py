@@ -178,7 +178,8 @@ class MainSession:
                         mask.to(dev)[None], torch.tensor(slots, device=dev)[None], self.arena,
                         logits_at=torch.arange(first, rows, device=dev)[None] if first else None)
         logits = f.logits[0]  # [rows - first, V]: the root, MAIN's tree, then the extra segments
-        side = {s for seg in extra for see in seg.visible for s in see if s >= self.side_base}
+        base = self.side_base
+        side = {s for seg in extra for see in seg.visible for s in see if s >= base}
         self.counts.call(rows - main_rows + len(tree_tokens), max(slots[:main_rows]) + 1 + len(side))
         first_tree = first + 1  # index of the first MAIN tree node in this call
         # the root and MAIN's tree [1 + m, V]: each node chooses among what the grammar allows

@@ -65,9 +65,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+           blocks: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
     """SDPA with grouped KV heads under a boolean visibility mask.
 
     q: [B, Hq, T, hd]; k, v: [B, Hkv, S, hd]; visible: [B, T, S] (True = may attend).
+    ``blocks`` (``query_blocks``): query rows [a, b) attend over slots [0, n) only, the same
+    result when no row of a block sees a slot at or past its ``n``.
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if blocks is None or len(blocks) == 1 and blocks[0][2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=gqa)
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :n], v[:, :, :n],
+                                                     attn_mask=visible[:, None, a:b, :n], enable_gqa=gqa)
+                      for a, b, n in blocks], dim=2)
+
+
+def query_blocks(reach: list[int], overhead: int) -> list[tuple[int, int, int]]:
+    """Consecutive blocks ``(a, b, n)`` of query rows, rows [a, b) attending over slots [0, n).
+
+    ``reach[i]``: one past the last slot row i sees. Attention under a mask pays for every
+    (row, slot) pair up to its width, masked or not, so a call whose rows reach very
+    different widths — a prompt's causal rows, SIDE rows far past MAIN's — wastes most of
+    it in one call. A block grows while the pairs it pays for beyond its rows' reach stay
+    within ``overhead`` (what one more attention call costs, in such pairs).
+    """
+    blocks: list[tuple[int, int, int]] = []
+    start, width, waste = 0, reach[0], 0
+    for i in range(1, len(reach)):
+        r = reach[i]
+        wider = max(width, r)
+        more = waste + (wider - width) * (i - start) + (wider - r)
+        if more > overhead:
+            blocks.append((start, i, width))
+            start, width, waste = i, r, 0
+        else:
+            width, waste = wider, more
+    blocks.append((start, len(reach), width))
+    return blocks

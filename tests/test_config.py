@@ -121,7 +121,9 @@ def test_cost_aware_selection_is_the_default_and_the_paper_keeps_its_fixed_budge
     assert TreeBudget.of(default).depth > paper.depth
     # ... drafted one level deep beside a packed chain (the paper's drafts its full depth)
     assert (default.chain_head_depth, paper.chain_head_depth) == (1, 0)
-    differ = ("select", "depth", "total_tokens", "chain_head_depth")
+    # ... and copies run further ahead, selection keeping what pays (the paper's verifies all 4)
+    assert (default.copy_len, paper.copy_len) == (32, 4)
+    differ = ("select", "depth", "total_tokens", "chain_head_depth", "copy_len")
     assert {k: v for k, v in vars(default).items() if k not in differ} == \
         {k: v for k, v in vars(paper).items() if k not in differ}
     with pytest.raises(Exception, match="decode.select must be one of"):

@@ -39,6 +39,14 @@ def test_copy_after_suffix_takes_the_longest_suffix_and_its_last_occurrence():
     assert copy_after_suffix([6], source) == []  # at the very end: nothing follows
 
 
+def test_a_copy_from_the_response_itself_runs_on_through_its_own_tokens():
+    response = [4, 1, 2, 1, 2]  # caught in a loop of period 2
+    assert copy_after_suffix([9, 9] + response, response, length=5) == [1, 2]  # the source ends there
+    assert copy_after_suffix([9, 9] + response, response, length=5, overlap=True) == [1, 2, 1, 2, 1]
+    assert copy_after_suffix([3, 4, 5, 3], [3, 4, 5, 3], length=5, overlap=True) == [4, 5, 3, 4, 5]  # period 3
+    assert copy_after_suffix([1, 2, 3], [1, 2, 3], length=4, overlap=True) == []  # nothing repeats
+
+
 def test_ngram_lookup_longest_ngram_earliest_occurrence():
     ctx = [5, 1, 2, 7, 1, 2, 8, 3, 1, 2]
     assert ngram_lookup(ctx, 1, 4, 3) == [7, 1, 2]  # "1 2" (3 1 2 occurs nowhere else), first seen before 7

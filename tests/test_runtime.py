@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemafill.runtime import from_hf_model, load_target
+from schemafill.layers import attend, query_blocks
+from schemafill.runtime import from_hf_model, load_target, reach
 
 VOCAB = 512
 
@@ -158,3 +159,51 @@ def test_ragged_spans_equal_one_padded_call():
     padded = target(step, pos, visible, pos, arena, rows=rows)
     ragged = target(step, pos, visible, pos, other, rows=rows, spans=[(0, 13), (2, 10)])
     assert torch.allclose(padded.logits, ragged.logits, atol=1e-5)
+
+
+# ---------------------------------------------------------------- attention in blocks of rows
+def test_query_blocks_split_where_the_reach_jumps():
+    # MAIN rows reaching slot ~10, then SIDE rows reaching ~100: two blocks, each at its own width
+    assert query_blocks([9, 10, 11, 100, 101], overhead=50) == [(0, 3, 11), (3, 5, 101)]
+    # a block grows while its masked-out pairs stay within the overhead: 2 + 1 pairs here
+    assert query_blocks([9, 10, 11], overhead=3) == [(0, 3, 11)]
+    assert query_blocks([9, 10, 11], overhead=2) == [(0, 2, 10), (2, 3, 11)]
+    # a causal prompt of 8 rows at overhead 6: blocks of 4 rows waste 6 pairs each
+    assert query_blocks(list(range(1, 9)), overhead=6) == [(0, 4, 4), (4, 8, 8)]
+    assert query_blocks([7], overhead=0) == [(0, 1, 7)]
+
+
+def test_attention_in_blocks_equals_one_call():
+    torch.manual_seed(0)
+    T, S = 12, 40
+    q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+    visible = torch.zeros(1, T, S, dtype=torch.bool)
+    for t in range(8):  # causal prompt rows
+        visible[0, t, :t + 1] = True
+    for t in range(8, T):  # rows that see the prompt and a far region of their own
+        visible[0, t, :8] = True
+        visible[0, t, 30:31 + t - 8] = True
+    blocks = query_blocks(reach(visible), overhead=4)
+    assert len(blocks) > 2 and blocks[-1][2] == 34
+    assert torch.allclose(attend(q, k, v, visible, blocks), attend(q, k, v, visible), atol=1e-6)
+
+
+def test_a_forward_attends_in_blocks_and_gives_the_same_logits():
+    """A prompt with rows far past it (SIDE-like) in one call, against the same rows as two calls."""
+    target = from_hf_model(hf_model("llama", seed=4))
+    torch.manual_seed(1)
+    P, far = 10, 3000  # far enough that one call's masked-out work outweighs a second call's
+    ids = torch.randint(0, VOCAB, (1, P + 2))
+    pos = torch.tensor([list(range(P)) + [P, P]])
+    slots = torch.tensor([list(range(P)) + [far, far + 1]])
+    visible = torch.zeros(1, P + 2, far + 2, dtype=torch.bool)
+    visible[0, :P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+    visible[0, P:, :P] = True
+    visible[0, P, far] = visible[0, P + 1, far + 1] = True  # two independent continuations
+    assert reach(visible) == list(range(1, P + 1)) + [far + 1, far + 2]
+    assert len(query_blocks(reach(visible), target.block_overhead(torch.device("cpu")))) > 1
+    together = target(ids, pos, visible, slots, target.new_arena(1, far + 2))
+    arena = target.new_arena(1, far + 2)
+    prompt = target(ids[:, :P], pos[:, :P], visible[:, :P, :P], slots[:, :P], arena)
+    rest = target(ids[:, P:], pos[:, P:], visible[:, P:], slots[:, P:], arena)
+    assert torch.allclose(together.logits, torch.cat([prompt.logits, rest.logits], 1), atol=1e-5)

@@ -117,6 +117,21 @@ def test_node_budget_without_a_cost_model_keeps_every_candidate():
     assert len(NodeBudget(steep).choose(cand)) < 4
 
 
+def test_a_drafting_level_must_beat_the_rate_the_round_promises():
+    curve = CostModel((1, 64), (10.0, 136.0))  # c(n) = 8 + 2n
+    budget = NodeBudget(curve)
+    budget.expect([0.9, 0.5], [0, 1], fixed_rows=1)  # (1 + 1.4) tokens / c(3) = 14 ms: 0.171 per ms
+    assert budget.rate == pytest.approx(2.4 / 14)
+    assert budget.level_worth(0.5, 2.0)  # 0.25 per ms beats it
+    assert not budget.level_worth(0.3, 2.0)  # 0.15 per ms does not
+    # the fixed budget, and selection kept off the clock, draft every level
+    assert NodeBudget().level_worth(0.0, 100.0)
+    assert NodeBudget(curve, fixed_host_ms=5.0).level_worth(0.0, 100.0)
+    # a head draft's chance is its probability bucket's measured rate
+    budget.stats.observe([ROOT, ROOT], [head_source(0.35)] * 2, [])  # both rejected
+    assert budget.draft_rate(0.31) == budget.stats.rate("head:3") < default_prior("head:3")
+
+
 # ---------------------------------------------------------------- cost model
 def test_cost_model_interpolates_is_monotone_and_extrapolates():
     c = CostModel((1, 4, 16), (10.0, 16.0, 12.0))  # noise made 16 rows look cheaper than 4

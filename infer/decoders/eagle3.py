@@ -31,7 +31,9 @@ class Drafter(Protocol):
     def candidates(self, tokens: list[int], new_aux: torch.Tensor) -> Candidates: ...
 
 
-def candidates_of(drafter: Drafter, tokens: list[int], new_aux: torch.Tensor) -> Candidates:
+def candidates_of(drafter: Drafter, tokens: list[int], new_aux: torch.Tensor, budget: NodeBudget) -> Candidates:
+    if isinstance(drafter, HeadDrafter):
+        return drafter.candidates(tokens, new_aux, price=budget)
     if hasattr(drafter, "candidates"):
         return drafter.candidates(tokens, new_aux)
     return Candidates.tree(*drafter.draft(tokens, new_aux), "draft")
@@ -49,7 +51,7 @@ def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_token
     s.prefill()
     while not s.done:
         t = time.perf_counter()
-        cand = budget.choose(candidates_of(drafter, s.tokens, s.new_aux), fixed_rows=len(s.tokens) - s.n_kv)
+        cand = budget.choose(candidates_of(drafter, s.tokens, s.new_aux, budget), fixed_rows=len(s.tokens) - s.n_kv)
         budget.host(1e3 * (time.perf_counter() - t))
         budget.observe(cand, s.verify(cand.tokens, cand.parents).accepted)
     return s.decoded()

@@ -47,12 +47,15 @@ Slots are the forecast's predicted keys (the required ones, else all); with ``si
 the schema's other keys get branches too, after every predicted one, so a value is ready if
 MAIN writes an optional key (the packer never proposes an unpredicted key by itself); same
 10 requests: 243 -> 235 target calls.
-Beyond the paper (``copy_len``, 4 by default, from stage B on): MAIN's tree also gets two
+Beyond the paper (``copy_len``, 4 in ``decode=paper``, from stage B on): MAIN's tree also gets two
 prompt-lookup chains (``infer/lookup.py``), the tokens after the committed text's longest
 suffix (<= 3 tokens) in the prompt and in the response so far — values are mostly copied
 from the request, and a 135M target's responses repeat themselves. BFCL, 10 requests, the
 head of ``make run``: AL 4.40 -> 5.47, nodes per verification 17.8 -> 22.9; copying into
-SIDE branches too added 3 nodes per verification for no AL (5.49), so they do not.
+SIDE branches too added 3 nodes per verification for no AL (5.49), so they do not. The
+response's copy runs on through its own tokens (``overlap``): a response caught in a loop is
+proposed ``copy_len`` tokens ahead, not just to its end; ``decode=cost`` proposes 32 and
+keeps what pays (#23's session: a 512-token loop took 108 target calls with 4, 44 with 32).
 The packed chain is capped at ``max_chain`` tokens. Where each step lives: the forecast
 ``infer/forecast.py``, SIDE branches ``infer/side.py``, alignment ``infer/align.py``, the
 packer ``infer/packer.py``, verification ``infer/session.py``; this module runs the rounds.
@@ -244,7 +247,9 @@ class SchemaFill:
                 for r in range(len(seg.tokens)):
                     parents.append(ROOT if r == 0 else len(parents) - 1)
                     values.append(worth if r == 0 else worth * draft_rate)
-        kept = set(select(parents, values, self.budget.cost, fixed, self.budget.host_ms))
+        kept = select(parents, values, self.budget.cost, fixed, self.budget.host_ms)
+        self.budget.expect(values, kept, fixed)
+        kept = set(kept)
         main = cand.subset(sorted(i for i in kept if i < len(cand)))
         rows = [len(seg.tokens) if first is None else sum(first + r in kept for r in range(len(seg.tokens)))
                 for seg, first in zip(extra, first_rows)]
@@ -293,8 +298,8 @@ class SchemaFill:
         parts = []
         if cfg.copy_len and cfg.forecasts:
             # values are mostly copied from the request, and a response repeats itself
-            parts += [Candidates.chain(copy_after_suffix(s.tokens, source, length=cfg.copy_len), kind)
-                      for source, kind in ((prompt, "copy_prompt"), (s.response, "copy_response"))]
+            parts += [Candidates.chain(copy_after_suffix(s.tokens, source, length=cfg.copy_len, overlap=own), kind)
+                      for source, kind, own in ((prompt, "copy_prompt", False), (s.response, "copy_response", True))]
         packed = []
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None
@@ -312,5 +317,5 @@ class SchemaFill:
         # beside a packed chain the head's deeper levels are rarely taken, and each costs a
         # head forward every round: there it may draft fewer levels (its catch-up runs either way)
         depth = cfg.chain_head_depth if packed and cfg.chain_head_depth else None
-        return Candidates.merged([self.drafter.candidates(s.tokens, s.new_aux, depth), *parts],
+        return Candidates.merged([self.drafter.candidates(s.tokens, s.new_aux, depth, self.budget), *parts],
                                  self.budget.stats.rate)

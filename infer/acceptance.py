@@ -24,9 +24,12 @@ def head_source(q: float) -> str:
     return f"head:{min(int(q * HEAD_BUCKETS), HEAD_BUCKETS - 1)}"
 
 
-def chain_source(kind: str, depth: int, cap: int = 4) -> str:
-    """A chain's node at ``depth`` (1 = first) of a proposal of ``kind``; depths past ``cap`` pool."""
-    return f"{kind}:{min(depth, cap)}"
+def chain_source(kind: str, depth: int) -> str:
+    """A chain's node at ``depth`` (1 = first) of a proposal of ``kind``: depths 1-4 each on
+    their own, then 5-8, 9-16 and 17 on pooled (tagged 8, 16, 32). A copy that has held for
+    many tokens tends to hold for the next one (a response in a loop), so deep nodes are not
+    pooled with the fourth: pooled at 4, a 32-token copy's last node was valued at 0.88^28."""
+    return f"{kind}:{depth if depth <= 4 else min(1 << (depth - 1).bit_length(), 32)}"
 
 
 # where a source starts before it has been observed (the statistics take over after a few

@@ -17,7 +17,7 @@ from infer.candidates import Candidates
 from infer.cost_model import CostModel
 from infer.selection import expected_rate, path_values, select
 
-HOST_EMA = 0.2  # weight of the newest round in the host-side time estimate
+HOST_EMA = 0.2  # weight of the newest round in the running means (host-side time, promised rate)
 
 
 @dataclass
@@ -26,7 +26,7 @@ class NodeBudget:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     host_ms: float = 0.0  # running estimate of a round's host-side work (drafting, packing)
     fixed_host_ms: float | None = None  # a fixed estimate instead (selection independent of timing)
-    rate: float = 0.0  # committed tokens per ms the last chosen set was expected to bring
+    rate: float = 0.0  # committed tokens per ms the chosen sets were expected to bring (running mean)
 
     def __post_init__(self) -> None:
         if self.fixed_host_ms is not None:
@@ -47,8 +47,10 @@ class NodeBudget:
         return cand.subset(kept)
 
     def expect(self, values: list[float], kept: list[int], fixed_rows: int) -> None:
-        """Record the rate the round's chosen set promises (what a drafter's next level must beat)."""
-        self.rate = expected_rate(values, kept, self.cost, fixed_rows, self.host_ms)
+        """Record the rate the round's chosen set promises, into a running mean over rounds
+        (what a drafter's next level, or a SIDE context, must beat)."""
+        r = expected_rate(values, kept, self.cost, fixed_rows, self.host_ms)
+        self.rate = r if not self.rate else (1 - HOST_EMA) * self.rate + HOST_EMA * r
 
     def draft_rate(self, q: float) -> float:
         """How often a head draft of probability ``q`` has been accepted (its bucket's rate)."""

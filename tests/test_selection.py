@@ -95,7 +95,9 @@ def test_stats_start_from_the_prior_and_move_with_evidence():
     for _ in range(36):
         stats.observe([ROOT], ["pack:1"], accepted=[0])
     assert stats.rate("pack:1") == pytest.approx((36 + 4 * 0.5) / 40)
-    assert chain_source("copy", 9) == "copy:4"
+    # depths 1-4 on their own, then pooled by doubling ranges: a long copy's deep nodes learn apart
+    assert [chain_source("copy", d) for d in (1, 4, 5, 8, 9, 16, 17, 40)] == \
+        ["copy:1", "copy:4", "copy:8", "copy:8", "copy:16", "copy:16", "copy:32", "copy:32"]
 
 
 def test_merged_candidates_keep_the_better_rated_source_of_a_shared_node():

@@ -65,6 +65,7 @@ class LevelPrice(Protocol):
     def level_worth(self, gain: float, ms: float) -> bool:
         """Is a level adding at most ``gain`` expected tokens worth ``ms`` of host time?"""
 
+
 # the two named presets of issue #6
 SCHEMAFILL_BUDGET = TreeBudget(topk=3, depth=2, total=8)  # the paper's: 8 draft tokens, top-k 3
 EAGLE_DEFAULTS = TreeBudget(topk=10, depth=5, total=60)  # EAGLE's published defaults

@@ -82,4 +82,4 @@ class NodeBudget:
     def report(self) -> dict:
         """For metrics.json: the mode, the cost curve, host time, and each source's acceptance."""
         return {"select": "cost" if self.active else "fixed", "cost_model": self.cost.summary() if self.cost else None,
-                "host_ms": round(self.host_ms, 3), "sources": self.stats.table()}
+                "host_ms": round(self.host_ms, 3), "rate_per_ms": round(self.rate, 5), "sources": self.stats.table()}

@@ -264,7 +264,8 @@ class Target(nn.Module):
 
     def block_overhead(self, device: torch.device) -> int:
         """One more attention call's cost in (row, slot) pairs of attention work."""
-        return int(CALL_FLOPS.get(device.type, CALL_FLOPS["cuda"]) / (4 * self.config.num_heads * self.config.head_dim))
+        pair_flops = 4 * self.config.num_heads * self.config.head_dim
+        return int(CALL_FLOPS.get(device.type, CALL_FLOPS["cuda"]) / pair_flops)
 
 
 def reach(visibility: torch.Tensor) -> list[int]:

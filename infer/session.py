@@ -38,6 +38,11 @@ class Segment:
     positions: list[int]
     slots: list[int]
     visible: list[list[int]]  # arena slots node i may attend to (its own slot included)
+    decides: int | None = None  # the target's choice is read at the last this-many nodes only (None: all)
+
+    @property
+    def deciding(self) -> int:
+        return len(self.tokens) if self.decides is None else min(self.decides, len(self.tokens))
 
 
 @dataclass
@@ -45,7 +50,7 @@ class Verified:
     accepted: list[int]  # MAIN draft nodes on the accepted path, root-most first
     correction: int  # the target's own next token after them
     committed: int  # tokens that joined MAIN (≤ len(accepted) + 1 when the response stops)
-    extra_choices: list[list[int]] = field(default_factory=list)  # target argmax at each extra node
+    extra_choices: list[list[int]] = field(default_factory=list)  # target argmax at each deciding extra node
     extra_aux: list[torch.Tensor] = field(default_factory=list)  # [n, 3H] target features at each extra node
     # the root and the MAIN nodes the call carried (after the grammar's pruning), and the
     # target's logits at each [1 + m, V]: what token recycling learns from
@@ -172,12 +177,17 @@ class MainSession:
             slots = slots + seg.slots
         dev = self.device
         # no token before the root needs logits: at prefill this skips the prompt's LM head
-        # (for the built-in target, 28M of its 135M weights: about a fifth of the prefill)
+        # (for the built-in target, 28M of its 135M weights: about a fifth of the prefill);
+        # nor does a SIDE context's prefix before its last token, whose choice starts the value
         first = main_rows - len(tree_tokens) - 1
+        at, r = list(range(first, main_rows)), main_rows
+        for seg in extra:
+            r += len(seg.tokens)
+            at += range(r - seg.deciding, r)
         f = self.target(torch.tensor(tokens, device=dev)[None], torch.tensor(positions, device=dev)[None],
                         mask.to(dev)[None], torch.tensor(slots, device=dev)[None], self.arena,
-                        logits_at=torch.arange(first, rows, device=dev)[None] if first else None)
-        logits = f.logits[0]  # [rows - first, V]: the root, MAIN's tree, then the extra segments
+                        logits_at=torch.tensor(at, device=dev)[None] if len(at) < rows else None)
+        logits = f.logits[0]  # [len(at), V]: the root, MAIN's tree, then the extra segments' deciding nodes
         base = self.side_base
         side = {s for seg in extra for see in seg.visible for s in see if s >= base}
         self.counts.call(rows - main_rows + len(tree_tokens), max(slots[:main_rows]) + 1 + len(side))
@@ -208,11 +218,11 @@ class MainSession:
             self.new_aux = f.aux[0, list(range(first_tree)) + [first_tree + i for i in accepted]]  # [L+A, 3H]
         self.n_kv = base + len(accepted)
         self._force()
-        extra_choices, extra_aux, r = [], [], main_rows
+        extra_choices, extra_aux, r, c = [], [], main_rows, 0
         for seg in extra:
-            extra_choices.append(side_choice[r - main_rows:r - main_rows + len(seg.tokens)])
+            extra_choices.append(side_choice[c:c + seg.deciding])
             extra_aux.append(f.aux[0, r:r + len(seg.tokens)])
-            r += len(seg.tokens)
+            r, c = r + len(seg.tokens), c + seg.deciding
         return Verified(accepted=[index[i] for i in accepted], correction=correction, committed=taken,
                         extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=tokens[first:main_rows],
                         main_logits=logits[: main_rows - first])

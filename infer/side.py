@@ -119,7 +119,7 @@ class SideContexts:
             if slots is None:
                 return None
             trunk = self.trunks[key] = Trunk(list(key), slots)
-            segments.append(self._segment(list(key), 0, [], slots))
+            segments.append(self._segment(list(key), 0, [], slots, decides=0))  # only its features are read
         own = ids[shared:]
         slots = self.pool.take(len(own))
         if slots is None:
@@ -129,7 +129,7 @@ class SideContexts:
         if trunk is not None:
             trunk.branches += 1
         b.trunk, b.tokens, b.slots = trunk, own, slots
-        segments.append(self._segment(own, shared, trunk.slots if trunk else [], slots))
+        segments.append(self._segment(own, shared, trunk.slots if trunk else [], slots, decides=1))  # the value's start
         return segments
 
     def reserve(self, b: Branch, depth: int) -> bool:
@@ -231,11 +231,13 @@ class SideContexts:
         self.pool.give(trunk.slots)
         del self.trunks[tuple(trunk.ids)]
 
-    def _segment(self, tokens: list[int], offset: int, seen: list[int], slots: list[int]) -> Segment:
-        """Causal nodes at positions P+offset.. that see the prompt, ``seen`` and each other."""
+    def _segment(self, tokens: list[int], offset: int, seen: list[int], slots: list[int],
+                 decides: int | None = None) -> Segment:
+        """Causal nodes at positions P+offset.. that see the prompt, ``seen`` and each other;
+        the target's choice is read at the last ``decides`` of them (None: all)."""
         context = list(range(self.p)) + seen
         return Segment(tokens=tokens, positions=list(range(self.p + offset, self.p + offset + len(tokens))),
-                       slots=slots, visible=[context + slots[: i + 1] for i in range(len(tokens))])
+                       slots=slots, visible=[context + slots[: i + 1] for i in range(len(tokens))], decides=decides)
 
 
 class SideBranches:

@@ -361,3 +361,30 @@ def test_builtin_model_prompt_lookup_copies_are_lossless_and_save_calls(base_tar
     calls = {n: [out.target_calls for _, _, out in check(target, tok, eos, names, "B", max_new=48, copy_len=n)]
              for n in (0, 4)}
     assert sum(calls[4]) < sum(calls[0]), calls
+
+
+def test_a_side_context_is_decided_only_at_its_last_node(tiny_target):
+    """A new SIDE context's trunk and prefix need the target's features but its choice only at
+    the last node (the value's start): the LM head skips the others, and nothing else changes."""
+    from infer.session import MainSession, Segment
+    from schemafill.stopping import ResponseStop
+
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    prompt = tok("Call the tool for Oslo.", add_special_tokens=False).input_ids
+    context = tok('{"tool_calls": [{"name": "get_weather", "arguments": {"city":', add_special_tokens=False).input_ids
+    p, base = len(prompt), len(prompt) + 8 + 4 + 1  # the SIDE pool of a session with scratch 4 and cap 8
+
+    def prefill(decides):
+        s = MainSession(target, prompt, ResponseStop(tok, eos, 8), scratch=4, side_capacity=64)
+        assert s.side_base == base
+        slots = list(range(base, base + len(context)))
+        seg = Segment(context, list(range(p, p + len(context))), slots,
+                      [list(range(p)) + slots[: i + 1] for i in range(len(context))], decides=decides)
+        return s.prefill(extra=[seg])
+
+    every, last = prefill(None), prefill(1)
+    assert len(every.extra_choices[0]) == len(context) and last.extra_choices[0] == every.extra_choices[0][-1:]
+    assert torch.allclose(every.extra_aux[0], last.extra_aux[0]) and every.correction == last.correction
+    assert prefill(0).extra_choices == [[]]

@@ -11,7 +11,7 @@ nodes overall become the draft; cumulative scores never grow along a path, so th
 closed under ancestors.
 
 A level past the first costs a head forward of host time every round. Given a ``price``
-(cost-aware selection's ``NodeBudget``), the tree stops growing when the next level's gain
+(the decoder's cost-aware ``NodeBudget``), the tree stops growing when the next level's gain
 — at most the frontier's chances to be accepted, by the measured acceptance of drafts the
 head gives such probabilities — is not worth the milliseconds a level takes here (measured,
 a running mean per drafter): on a 2-core CPU the deeper levels of the built-in head rarely
@@ -72,8 +72,8 @@ EAGLE_DEFAULTS = TreeBudget(topk=10, depth=5, total=60)  # EAGLE's published def
 
 
 class HeadDrafter:
-    def __init__(self, head: Eagle3Head, budget: TreeBudget) -> None:
-        self.head, self.budget = head, budget
+    def __init__(self, head: Eagle3Head, budget: TreeBudget, price: LevelPrice | None = None) -> None:
+        self.head, self.budget, self.price = head, budget, price  # price None: every level is drafted
         self.device = head.fc.weight.device
         self.draft_to_target = head.draft_to_target.tolist()
         self.arena = None
@@ -114,23 +114,22 @@ class HeadDrafter:
         tree, parents, _ = self.scored(tokens, new_aux)
         return tree, parents
 
-    def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None,
-                   price: LevelPrice | None = None) -> Candidates:
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None) -> Candidates:
         """The draft tree, each node tagged with the bucket of the head's own probability for it
         (given its parent): what cost-aware selection reads as its acceptance estimate."""
-        tree, parents, q = self.scored(tokens, new_aux, depth, price)
+        tree, parents, q = self.scored(tokens, new_aux, depth)
         return Candidates(tree, parents, [head_source(x) for x in q])
 
     @torch.inference_mode()
-    def scored(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None,
-               price: LevelPrice | None = None) -> tuple[list[int], list[int], list[float]]:
+    def scored(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None
+               ) -> tuple[list[int], list[int], list[float]]:
         """tokens: prompt + committed (the last ones pending: their target features do not
         exist yet); new_aux: [M, 3H] target features of the M newest positions that have them
         (those the head has not seen). The tree hangs off the last pending token, ``depth``
         levels deep (default: the budget's; each level past the first is a head forward),
-        fewer when ``price`` says a level is not worth its time (module docstring).
+        fewer when the drafter's price says a level is not worth its time (module docstring).
         Returns the tree and the head's probability of each node given its parent."""
-        head, dev, b = self.head, self.device, self.budget
+        head, dev, b, price = self.head, self.device, self.budget, self.price
         h, m = self.done, new_aux.shape[0]
         n = h + m  # positions with target features; the first pending token sits at position n
         if not n < len(tokens):

@@ -17,7 +17,7 @@ from infer.candidates import Candidates
 from infer.cost_model import CostModel
 from infer.selection import expected_rate, path_values, select
 
-HOST_EMA = 0.2  # weight of the newest round in the running means (host-side time, promised rate)
+EMA = 0.2  # weight of the newest round in the running means (host-side time, promised rate)
 
 
 @dataclass
@@ -41,16 +41,15 @@ class NodeBudget:
         (pending tokens, other segments)."""
         if self.cost is None or not len(cand):
             return cand
-        values = self.values(cand)
-        kept = select(cand.parents, values, self.cost, fixed_rows, self.host_ms)
-        self.expect(values, kept, fixed_rows)
-        return cand.subset(kept)
+        return cand.subset(self.keep(cand.parents, self.values(cand), fixed_rows))
 
-    def expect(self, values: list[float], kept: list[int], fixed_rows: int) -> None:
-        """Record the rate the round's chosen set promises, into a running mean over rounds
-        (what a drafter's next level, or a SIDE context, must beat)."""
+    def keep(self, parents: list[int], values: list[float], fixed_rows: int) -> list[int]:
+        """``select`` against this budget's curve and host time; the rate the kept set promises
+        joins a running mean over rounds (what a drafter's next level must beat)."""
+        kept = select(parents, values, self.cost, fixed_rows, self.host_ms)
         r = expected_rate(values, kept, self.cost, fixed_rows, self.host_ms)
-        self.rate = r if not self.rate else (1 - HOST_EMA) * self.rate + HOST_EMA * r
+        self.rate = r if not self.rate else (1 - EMA) * self.rate + EMA * r
+        return kept
 
     def draft_rate(self, q: float) -> float:
         """How often a head draft of probability ``q`` has been accepted (its bucket's rate)."""
@@ -77,7 +76,7 @@ class NodeBudget:
         """One round's host-side milliseconds (outside the target call)."""
         if self.fixed_host_ms is not None:
             return
-        self.host_ms = ms if not self.host_ms else (1 - HOST_EMA) * self.host_ms + HOST_EMA * ms
+        self.host_ms = ms if not self.host_ms else (1 - EMA) * self.host_ms + EMA * ms
 
     def report(self) -> dict:
         """For metrics.json: the mode, the cost curve, host time, and each source's acceptance."""

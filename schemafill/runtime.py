@@ -27,10 +27,10 @@ from torch import nn
 from schemafill.layers import MLP, RMSNorm, Rotary, apply_rotary, attend, query_blocks
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# what one more attention call costs, in FLOPs of attention work (4 per head dim per (row, slot)
-# pair): on 2 CPU cores a call costs about 20 µs and a pair 0.02-0.06 µs at 9 x 64 dims (the
-# built-in target, #23's session, AVX2-capped Xeon); a GPU launch of ~15 µs buys far more work
-CALL_FLOPS = {"cpu": 2e6, "cuda": 4e9}
+# what one more attention call costs on a CPU, in FLOPs of attention work (4 per head dim per
+# (row, slot) pair): on 2 cores a call costs about 20 µs and a pair 0.02-0.06 µs at 9 x 64 dims
+# (the built-in target, #23's second session, a Xeon capped to AVX2)
+CPU_CALL_FLOPS = 2e6
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, arena: KVArena,
                 rows: torch.Tensor | None, slots: torch.Tensor, visibility: torch.Tensor,
-                spans: list[tuple[int, int]] | None, blocks: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+                spans: list[tuple[int, int]] | None, blocks: list[tuple[int, int, int]] | None = None
+                ) -> torch.Tensor:
         # x: [B, T, H]; cos, sin: [B, T, hd]; slots: [B, T]; visibility: [B, T, S]
         b, t, _ = x.shape
         hd = self.c.head_dim
@@ -241,14 +242,16 @@ class Target(nn.Module):
         own slots. Same result; faster when rows differ in length (batched decoding), where
         one padded call would read every row's KV up to the longest.
 
-        Otherwise the tokens attend in blocks of rows, each over only the slots its rows
-        reach (``layers.query_blocks``): same result, and a call whose rows reach very
+        Otherwise, on a CPU, the tokens attend in blocks of rows, each over only the slots its
+        rows reach (``layers.query_blocks``): same result, and a call whose rows reach very
         different widths (a prompt's causal rows, SIDE rows far past MAIN's) skips most of
-        the masked-out work."""
+        the masked-out work. A GPU attends in one call: there a launch costs more than the
+        masked work it would save, and reading the mask back would stall the launch queue."""
         c = self.config
         x = self.model.embed_tokens(tokens)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
-        blocks = None if spans is not None else query_blocks(reach(visibility), self.block_overhead(x.device))
+        blocks = query_blocks(reach(visibility), self.block_overhead()) \
+            if spans is None and visibility.device.type == "cpu" else None
         saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in c.aux_layer_ids:
@@ -262,10 +265,9 @@ class Target(nn.Module):
         final = self.model.norm(x)
         return Forward(logits=self.lm_head(final).float(), aux=aux, final=final)
 
-    def block_overhead(self, device: torch.device) -> int:
-        """One more attention call's cost in (row, slot) pairs of attention work."""
-        pair_flops = 4 * self.config.num_heads * self.config.head_dim
-        return int(CALL_FLOPS.get(device.type, CALL_FLOPS["cuda"]) / pair_flops)
+    def block_overhead(self) -> int:
+        """One more attention call's cost on a CPU in (row, slot) pairs of attention work."""
+        return int(CPU_CALL_FLOPS / (4 * self.config.num_heads * self.config.head_dim))
 
 
 def reach(visibility: torch.Tensor) -> list[int]:

@@ -132,20 +132,21 @@ def test_the_head_stops_growing_its_tree_where_a_level_is_not_worth_its_time():
     model = hf_model("llama", seed=7)
     target = from_hf_model(model, aux_layer_ids=[1, 2, 3])
     target.hf_config = model.config
-    drafter = HeadDrafter(random_head(target, seed=5), TreeBudget(topk=3, depth=3, total=39))  # keeps every node
+    price = Refusing()
+    drafter = HeadDrafter(random_head(target, seed=5), TreeBudget(topk=3, depth=3, total=39), price)  # keeps every node
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     aux = target(torch.tensor([prompt]), torch.arange(len(prompt))[None],
                  torch.ones(len(prompt), len(prompt), dtype=torch.bool).tril()[None], torch.arange(len(prompt))[None],
                  target.new_arena(1, 16)).aux[0]  # [P, 3H]
-    price = Refusing()
     drafter.start(32)
     # a level's time is not known until one is drafted: the second level is, then the price is asked
-    deep = drafter.candidates(prompt + [7], aux, price=price)
+    deep = drafter.candidates(prompt + [7], aux)
     assert len(deep) == 3 + 9 and drafter.level_ms > 0 and len(price.asked) == 1
     drafter.start(32)
-    shallow = drafter.candidates(prompt + [7], aux, price=price)
+    shallow = drafter.candidates(prompt + [7], aux)
     assert shallow.parents == [ROOT] * 3  # the first level only: the root's top-3
     gain, ms = price.asked[-1]
     assert 0 < gain <= 1.0 and ms == drafter.level_ms  # the root's children's chances sum to at most 1
+    drafter.price = None
     drafter.start(32)
     assert len(drafter.candidates(prompt + [7], aux)) == 3 + 9 + 9  # no price: the budget's depth (3 fed a level)

@@ -201,7 +201,7 @@ def test_a_forward_attends_in_blocks_and_gives_the_same_logits():
     visible[0, P:, :P] = True
     visible[0, P, far] = visible[0, P + 1, far + 1] = True  # two independent continuations
     assert reach(visible) == list(range(1, P + 1)) + [far + 1, far + 2]
-    assert len(query_blocks(reach(visible), target.block_overhead(torch.device("cpu")))) > 1
+    assert len(query_blocks(reach(visible), target.block_overhead())) > 1
     together = target(ids, pos, visible, slots, target.new_arena(1, far + 2))
     arena = target.new_arena(1, far + 2)
     prompt = target(ids[:, :P], pos[:, :P], visible[:, :P, :P], slots[:, :P], arena)

@@ -137,7 +137,8 @@ def test_speculative_sampling_has_ars_distribution():
     # estimates learnt on earlier samples: still AR's distribution
     curve = CostModel((1, 64), (10.0, 73.0))  # a row costs a tenth of a one-row step: some nodes pay, some not
     costed = NodeBudget(curve)
-    eagle_cost = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, head, scratch=8, sampler=s,
+    priced = HeadDrafter(random_head(target, seed=2), TreeBudget(topk=3, depth=2, total=8), costed)  # levels too
+    eagle_cost = outputs(lambda s: decode_tree(target, tok, prompt, max_new, eos, priced, scratch=8, sampler=s,
                                                budget=costed), 9)
     sf_cost = SchemaFill(target, tok, random_head(target, seed=2), eos, max_new,
                          SchemaFillConfig(budget=TreeBudget(topk=3, depth=2, total=8)), NodeBudget(curve))

@@ -122,7 +122,7 @@ def test_node_budget_without_a_cost_model_keeps_every_candidate():
 def test_a_drafting_level_must_beat_the_rate_the_round_promises():
     curve = CostModel((1, 64), (10.0, 136.0))  # c(n) = 8 + 2n
     budget = NodeBudget(curve)
-    budget.expect([0.9, 0.5], [0, 1], fixed_rows=1)  # (1 + 1.4) tokens / c(3) = 14 ms: 0.171 per ms
+    assert budget.keep([ROOT, 0], [0.9, 0.5], fixed_rows=1) == [0, 1]  # (1 + 1.4) tokens / c(3) = 14 ms: 0.171 per ms
     assert budget.rate == pytest.approx(2.4 / 14)
     assert budget.level_worth(0.5, 2.0)  # 0.25 per ms beats it
     assert not budget.level_worth(0.3, 2.0)  # 0.15 per ms does not

@@ -31,9 +31,7 @@ class Drafter(Protocol):
     def candidates(self, tokens: list[int], new_aux: torch.Tensor) -> Candidates: ...
 
 
-def candidates_of(drafter: Drafter, tokens: list[int], new_aux: torch.Tensor, budget: NodeBudget) -> Candidates:
-    if isinstance(drafter, HeadDrafter):
-        return drafter.candidates(tokens, new_aux, price=budget)
+def candidates_of(drafter: Drafter, tokens: list[int], new_aux: torch.Tensor) -> Candidates:
     if hasattr(drafter, "candidates"):
         return drafter.candidates(tokens, new_aux)
     return Candidates.tree(*drafter.draft(tokens, new_aux), "draft")
@@ -51,7 +49,7 @@ def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_token
     s.prefill()
     while not s.done:
         t = time.perf_counter()
-        cand = budget.choose(candidates_of(drafter, s.tokens, s.new_aux, budget), fixed_rows=len(s.tokens) - s.n_kv)
+        cand = budget.choose(candidates_of(drafter, s.tokens, s.new_aux), fixed_rows=len(s.tokens) - s.n_kv)
         budget.host(1e3 * (time.perf_counter() - t))
         budget.observe(cand, s.verify(cand.tokens, cand.parents).accepted)
     return s.decoded()
@@ -79,6 +77,7 @@ class Eagle3:
 def build(ctx: DecoderContext, method: str) -> Eagle3:
     """``eagle3`` at the decode budget; ``eagle3_wide`` at EAGLE's published defaults."""
     d = ctx.decode
-    budget = TreeBudget.of(d) if method == "eagle3" else EAGLE_DEFAULTS
-    return Eagle3(ctx.target, ctx.tokenizer, ctx.eos, d.max_new_tokens, HeadDrafter(ctx.head, budget), ctx.budget(),
+    tree = TreeBudget.of(d) if method == "eagle3" else EAGLE_DEFAULTS
+    nodes = ctx.budget()  # also prices the head's levels
+    return Eagle3(ctx.target, ctx.tokenizer, ctx.eos, d.max_new_tokens, HeadDrafter(ctx.head, tree, nodes), nodes,
                   ctx.fmt)

@@ -77,7 +77,6 @@ from infer.phases import Phases
 from infer.lookup import copy_after_suffix
 from infer.node_budget import NodeBudget
 from infer.acceptance import PRIOR_STRENGTH
-from infer.selection import select
 from infer.session import MainSession, Segment, Verified
 from infer.side import SideBranches, SideContexts
 from infer.tree import ROOT, chain, merge
@@ -149,8 +148,8 @@ class SchemaFill:
                  cfg: SchemaFillConfig, budget: NodeBudget | None = None, fmt: ResponseFormat = JSON) -> None:
         self.target, self.tokenizer, self.eos, self.cfg, self.fmt = target, tokenizer, eos, cfg, fmt
         self.max_new_tokens = max_new_tokens
-        self.drafter = HeadDrafter(head, cfg.budget)
         self.budget = budget or NodeBudget()
+        self.drafter = HeadDrafter(head, cfg.budget, self.budget)  # the budget also prices the head's levels
         self.side_rows = self.side_credit = 0  # the launch's SIDE rows, and value tokens MAIN took from them
 
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions(),
@@ -248,9 +247,7 @@ class SchemaFill:
                 for r in range(len(seg.tokens)):
                     parents.append(ROOT if r == 0 else len(parents) - 1)
                     values.append(worth if r == 0 else worth * draft_rate)
-        kept = select(parents, values, self.budget.cost, fixed, self.budget.host_ms)
-        self.budget.expect(values, kept, fixed)
-        kept = set(kept)
+        kept = set(self.budget.keep(parents, values, fixed))
         main = cand.subset(sorted(i for i in kept if i < len(cand)))
         rows = [len(seg.tokens) if first is None else sum(first + r in kept for r in range(len(seg.tokens)))
                 for seg, first in zip(extra, first_rows)]
@@ -318,5 +315,5 @@ class SchemaFill:
         # beside a packed chain the head's deeper levels are rarely taken, and each costs a
         # head forward every round: there it may draft fewer levels (its catch-up runs either way)
         depth = cfg.chain_head_depth if packed and cfg.chain_head_depth else None
-        return Candidates.merged([self.drafter.candidates(s.tokens, s.new_aux, depth, self.budget), *parts],
+        return Candidates.merged([self.drafter.candidates(s.tokens, s.new_aux, depth), *parts],
                                  self.budget.stats.rate)

@@ -16,6 +16,7 @@ At temperature > 0 the target's choice at each MAIN node is a draw from its dist
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,11 @@ class Verified:
     # target's logits at each [1 + m, V]: what token recycling learns from
     main_tokens: list[int] = field(default_factory=list)
     main_logits: torch.Tensor | None = None
+    # what the call cost: its rows (pending, tree, extra segments), how many were extra, and
+    # the milliseconds from building its inputs to the target's choices (what selection prices)
+    rows: int = 0
+    extra_rows: int = 0
+    ms: float = 0.0
 
 
 @dataclass
@@ -168,6 +174,7 @@ class MainSession:
              tree_tokens: list[int], parents: list[int], index: list[int], allowed: torch.Tensor | None,
              extra: list[Segment], prefill: bool) -> Verified:
         """Append the extra segments, run the target once, commit MAIN's chosen path."""
+        start = time.perf_counter()
         main_rows = visible.shape[0]
         mask = with_segments(visible, extra)
         rows = mask.shape[0]
@@ -196,6 +203,8 @@ class MainSession:
         # after its path, greedily or by an independent draw (exact speculative sampling)
         main_choice = choose(logits[: main_rows - first], allowed, self.sampler)
         side_choice = logits[main_rows - first:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
+        ms = 1e3 * (time.perf_counter() - start)  # the choices are on the host: the device has finished
+        call_rows = rows
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
         base = root_slot + 1  # committed MAIN continues right after the root
         self.arena.move(0, [slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])
@@ -225,4 +234,4 @@ class MainSession:
             r, c = r + len(seg.tokens), c + seg.deciding
         return Verified(accepted=[index[i] for i in accepted], correction=correction, committed=taken,
                         extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=tokens[first:main_rows],
-                        main_logits=logits[: main_rows - first])
+                        main_logits=logits[: main_rows - first], rows=call_rows, extra_rows=call_rows - main_rows, ms=ms)

@@ -122,8 +122,10 @@ def test_cost_aware_selection_is_the_default_and_the_paper_keeps_its_fixed_budge
     # ... drafted one level deep beside a packed chain (the paper's drafts its full depth)
     assert (default.chain_head_depth, paper.chain_head_depth) == (1, 0)
     # ... and copies run further ahead, selection keeping what pays (the paper's verifies all 4)
-    assert (default.copy_len, paper.copy_len) == (32, 4)
-    differ = ("select", "depth", "total_tokens", "chain_head_depth", "copy_len")
+    assert (default.copy_len, paper.copy_len) == (64, 4)
+    # ... and the packer guesses where values and the response end (the paper's does not)
+    assert (default.guess_ends, paper.guess_ends) == (True, False)
+    differ = ("select", "depth", "total_tokens", "chain_head_depth", "copy_len", "guess_ends")
     assert {k: v for k, v in vars(default).items() if k not in differ} == \
         {k: v for k, v in vars(paper).items() if k not in differ}
     with pytest.raises(Exception, match="decode.select must be one of"):

@@ -127,6 +127,29 @@ class Refusing:
         self.asked.append((gain, ms))
         return False
 
+    def head_worth(self, ms: float) -> bool:
+        return True
+
+    def head_drafted(self) -> None:
+        pass
+
+
+class Skipping(Refusing):
+    """A price that finds the head itself not worth drafting, and counts the rounds it drafts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drafted = 0
+
+    def level_worth(self, gain: float, ms: float) -> bool:
+        return True
+
+    def head_worth(self, ms: float) -> bool:
+        return False
+
+    def head_drafted(self) -> None:
+        self.drafted += 1
+
 
 def test_the_head_stops_growing_its_tree_where_a_level_is_not_worth_its_time():
     model = hf_model("llama", seed=7)
@@ -150,3 +173,33 @@ def test_the_head_stops_growing_its_tree_where_a_level_is_not_worth_its_time():
     drafter.price = None
     drafter.start(32)
     assert len(drafter.candidates(prompt + [7], aux)) == 3 + 9 + 9  # no price: the budget's depth (3 fed a level)
+
+
+def test_a_head_not_worth_its_time_skips_rounds_and_catches_up_on_all_it_skipped():
+    from infer.head_drafter import SKIP_AT_MOST
+
+    model = hf_model("llama", seed=7)
+    target = from_hf_model(model, aux_layer_ids=[1, 2, 3])
+    target.hf_config = model.config
+    head = random_head(target, seed=5)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    aux = target(torch.tensor([tokens]), torch.arange(len(tokens))[None],
+                 torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()[None], torch.arange(len(tokens))[None],
+                 target.new_arena(1, 32)).aux[0]  # [T, 3H]
+    price = Skipping()
+    every, skipping = HeadDrafter(head, TreeBudget(2, 2, 6)), HeadDrafter(head, TreeBudget(2, 2, 6), price)
+    for d in (every, skipping):
+        d.start(64)
+    p = 8  # the prompt; then one committed token a round: round r's features are position p + r - 1's
+    trees = []
+    for r in range(SKIP_AT_MOST + 3):
+        new = aux[: p] if r == 0 else aux[p + r - 1: p + r]
+        expect = every.candidates(tokens[: p + r + 1], new)
+        got = skipping.candidates(tokens[: p + r + 1], new)
+        trees.append(len(got))
+        if len(got):  # a round it drafts: the same tree as a head that never skipped
+            assert (got.tokens, got.parents, got.sources) == (expect.tokens, expect.parents, expect.sources)
+    # the first round always drafts (SIDE drafts read its prompt entries), then SKIP_AT_MOST
+    # skipped rounds, then one to keep measuring
+    assert [n > 0 for n in trees] == [True] + [False] * SKIP_AT_MOST + [True, False]
+    assert price.drafted == 2

@@ -95,7 +95,7 @@ def test_bm25_ranking_groups_and_slots():
 
 def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
     from infer.candidates import Candidates
-    from infer.packer import BRIDGE, PROVISIONAL, VALUE, continuation_ids, propose_tagged, token_kinds
+    from infer.packer import BRIDGE, END, PROVISIONAL, VALUE, continuation_ids, propose_tagged, token_kinds
 
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa'
     suffix, kinds = propose_tagged(text, parse_prefix(text), [WEATHER], provisional={(0, "days"): "3"})
@@ -110,10 +110,10 @@ def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
     ids = continuation_ids(smol_tokenizer, committed, text, suffix)
     tags = token_kinds(smol_tokenizer, committed, text, suffix, propose_tagged(text, parse_prefix(text), [WEATHER])[1], ids)
     pieces = [smol_tokenizer.decode([t]) for t in ids]
-    assert len(tags) == len(ids) and tags[0] == VALUE and tags[-1] == BRIDGE
+    assert len(tags) == len(ids) and tags[0] == VALUE and tags[-1] == END  # the list's close after the last call
     assert [t for t, piece in zip(tags, pieces) if "C" in piece] == [VALUE]
     chain = Candidates.tagged_chain(ids, tags)
-    assert chain.sources[0] == "value:1" and chain.sources[-1].startswith("bridge:")
+    assert chain.sources[0] == "value:1" and chain.sources[-1].startswith("end:")
 
 
 def test_hermes3_writes_each_name_after_its_arguments():
@@ -147,3 +147,50 @@ def test_hermes3_writes_each_name_after_its_arguments():
     assert p3(between, [TIME]) == ""  # hermes3 ends with EOS: nothing after the last block
     # the name-first text is off format here
     assert p3('<tool_call>\n{"name": "get_weather", "arguments": {', [WEATHER]) == ""
+
+
+def test_where_an_open_value_may_end():
+    from infer.packer import CLOSE_NUMBER, CLOSE_STRING, closing
+
+    assert closing('"Par') == ('"', CLOSE_STRING)
+    assert closing('"a\\\\') == ('"', CLOSE_STRING)  # an escaped backslash: the string may end
+    for literal in ('"', '"a\\', '-', '3.', '1e', '1e-', 'tr', '[1', '{"a": 1'):
+        assert closing(literal) is None, literal  # cannot end here, or is no string or number
+    assert closing('30') == closing('-2.5') == ("", CLOSE_NUMBER)
+
+
+def test_guessed_ends_close_mains_value_and_provisional_ones_and_go_on():
+    from infer.packer import CLOSE_NUMBER, CLOSE_STRING, END, NEXT, PROVISIONAL, propose_tagged
+
+    plans = [CallPlan("get_weather", ("city", "days"), ("city", "days"), {}), TIME]
+    head = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": '
+    # MAIN's own string, nothing prepared: without the guess nothing is proposed
+    assert p(head + '"Lo', plans) == ""
+    suffix, kinds = propose_tagged(head + '"Lo', parse_prefix(head + '"Lo'), plans, close=True)
+    assert suffix == '", "days": ' and kinds[0] == CLOSE_STRING and set(kinds[1:]) == {"bridge"}
+    # a number: its end is the structure after it, whose first character carries the guess
+    text = head + '"Lo", "days": 3'
+    suffix, kinds = propose_tagged(text, parse_prefix(text), plans, close=True)
+    assert suffix == '}}, {"name": "get_time", "arguments": {"tz": ' and kinds[0] == CLOSE_NUMBER
+    assert kinds[2:4] == [NEXT, NEXT] and kinds[-1] == "bridge"
+    # provisional values are closed where they stop, and the chain runs on to the next unknown
+    ahead = {(0, "days"): "1", (1, "tz"): '"UT'}
+    text = head + '"London"'
+    assert p(text, plans, provisional=ahead) == ', "days": 1'
+    suffix, kinds = propose_tagged(text, parse_prefix(text), plans, provisional=ahead, close=True)
+    assert suffix == ', "days": 1}}, {"name": "get_time", "arguments": {"tz": "UT"}}]}'
+    tags = dict(bridge="b", next="n", end="e", provisional="p", close_number="c", close_string="c")
+    header = '{"name": "get_time", "arguments": {"tz": '
+    assert "".join(map(tags.get, kinds)) == "b" * 10 + "p" + "cb" + "nn" + "b" * len(header) + "ppp" + "cbb" + "ee"
+    assert kinds[-2:] == [END, END]
+    # MAIN ran past a provisional value: its own text is what may end
+    assert p(head + '"London", "days": 12', plans, provisional=ahead, close=True).startswith("}}, {")
+    # a value that cannot end yet, or a literal: nothing guessed
+    assert p(head + '"', plans, close=True) == ""
+    assert p(head + '"Lo", "days": 1.', plans, close=True) == ""
+
+
+def test_arguments_closed_before_the_predicted_keys_go_on_to_the_next_call():
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}'
+    assert p(text, [WEATHER, TIME]) == '}, {"name": "get_time", "arguments": {"tz": '
+    assert p(text, [WEATHER]) == "}]}"

@@ -147,13 +147,40 @@ def test_cost_aware_rounds_equal_ar_whatever_they_keep(tiny_target, base_target)
     eos = frozenset({tok.eos_token_id})
     steep, flat = CostModel((1, 64), (10.0, 262.0)), CostModel((1, 64), (10.0, 10.5))
     for curve in (steep, flat):
-        for _ in check(target, tok, eos, ["bm25", "repeated"], "BD", max_new=24, budget=NodeBudget(curve)):
-            pass
+        for guess in (False, True):  # guessed ends of values and of the response: proposals only
+            for _ in check(target, tok, eos, ["bm25", "repeated"], "BD", max_new=24, budget=NodeBudget(curve),
+                           guess_ends=guess):
+                pass
     target, tok, eos = base_target
     budget = NodeBudget(steep)
     for name, ar, out in check(target, tok, eos, ["wrong_order"], "D", max_new=48, oracle=True, budget=budget):
         assert out.target_calls < ar.target_calls / 2  # measured: 9 calls for AR's 48 tokens
     assert budget.stats.table()  # it learnt from what it verified
+
+
+def test_side_contexts_wait_while_side_rows_do_not_pay(base_target):
+    """Once a launch has measured that SIDE rows return less than a row costs, no new SIDE
+    context opens (at initialisation or later) and no SIDE row is verified: AR's tokens."""
+    from infer.cost_model import CostModel
+    from infer.node_budget import NodeBudget
+
+    target, tok, eos = base_target
+    req = request("wrong_order")
+    ids = prompt_ids(req, "plain", tok)
+    ar = decode_ar(target, tok, ids, 48, eos)
+    init = {}
+    for pays in (True, False):
+        budget = NodeBudget(CostModel((1, 64), (10.0, 262.0)))  # 4 ms a row
+        sf = SchemaFill(target, tok, random_head(target), eos, 48,
+                        SchemaFillConfig(budget=SCHEMAFILL_BUDGET, ablation="D", guess_ends=True), budget)
+        if not pays:  # what a launch measured: 1,000 SIDE rows, no token from them, rounds promising 0.1 a ms
+            sf.side_rows, budget.rate = 1000, 0.1
+        out = sf.decode(req, ids, groups=CASES["wrong_order"][2])
+        assert out.ids == ar.ids
+        init[pays] = out.init_nodes
+        if not pays:
+            assert sf.side_rows == 1000 and sf._side_return() < 0.01
+    assert init[False] < init[True]  # the first SIDE prefixes went with the prompt only while they paid
 
 
 def test_a_shallower_head_beside_a_packed_chain_is_lossless_and_drafts_one_level(base_target):

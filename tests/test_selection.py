@@ -9,7 +9,7 @@ import pytest
 
 from infer.acceptance import AcceptanceStats, chain_source, default_prior, head_source
 from infer.candidates import Candidates
-from infer.cost_model import CostModel, isotonic, load_or_measure, measure
+from infer.cost_model import CostModel, LiveCost, isotonic, load_or_measure, measure, size_bucket
 from infer.node_budget import NodeBudget
 from infer.selection import expected_rate, path_values, select
 from infer.tree import ROOT
@@ -151,6 +151,23 @@ def test_cost_model_interpolates_is_monotone_and_extrapolates():
     assert c2.linear_fit() == pytest.approx((8.0, 2.0))
     with pytest.raises(ValueError, match="increasing"):
         CostModel((4, 1), (1.0, 2.0))
+
+
+def test_live_cost_learns_each_size_bucket_and_side_calls_apart():
+    assert [size_bucket(n) for n in (1, 3, 8, 9, 16, 17, 64, 65)] == [1, 3, 8, 16, 16, 32, 64, 128]
+    live = LiveCost(CostModel((1, 64), (40.0, 166.0)))  # 38 + 2 ms a row
+    assert live(9) == 56.0 and live(9, side=True) == 56.0  # nothing measured: the curve
+    for _ in range(4):
+        live.observe(12, side=False, ms=82.0)  # 20 ms above the curve's 62 at 12 rows
+    assert live(9) == pytest.approx(56.0 + 10.0)  # 4 calls against 4 pseudo-calls: half the gap, whole bucket
+    assert live(16) == pytest.approx(70.0 + 10.0)
+    assert live(9, side=True) == 56.0 and live(8) == 54.0  # other buckets, SIDE calls: untouched
+    live.observe(5, side=True, ms=10_000.0)  # one stall moves its bucket by at most the curve's value, shrunk
+    assert live(5, side=True) == pytest.approx(48.0 + 48.0 / 5)
+    frozen = LiveCost(CostModel((1, 64), (40.0, 166.0)), learn=False)
+    frozen.observe(12, side=False, ms=82.0)
+    assert frozen(12) == 62.0 and frozen.summary()["measured"] == {}
+    assert live.summary()["measured"]["16"] == {"calls": 4, "ms": 80.0, "correction_ms": 20.0}
 
 
 def test_cost_is_measured_on_a_real_forward_and_cached_per_host(tmp_path):

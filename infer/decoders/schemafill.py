@@ -72,9 +72,9 @@ from infer.candidates import Candidates
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.forecast import call_plan, forecast_groups, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
-from infer.packer import BRIDGE, CallPlan, continuation_ids, propose_tagged, token_kinds
+from infer.packer import STRUCTURE, CallPlan, continuation_ids, propose_tagged, token_kinds
 from infer.phases import Phases
-from infer.lookup import copy_after_suffix
+from infer.lookup import copy_match
 from infer.node_budget import NodeBudget
 from infer.acceptance import PRIOR_STRENGTH
 from infer.session import MainSession, Segment, Verified
@@ -89,6 +89,16 @@ SIDE_DRAFT = "side_draft:1"  # the head's draft after a SIDE branch's pending to
 SIDE_CHAIN = "side_"  # packed-chain sources from a SIDE value on (infer/acceptance.py)
 
 
+def copy_source(kind: str, matched: int) -> str:
+    """A copy's source by how many tokens before it agree with the committed text (1, 2,
+    3-7, 8-15, 16+): a copy after a long agreement (a value quoted from the request, a
+    response repeating itself) holds far more often than one after a lone token. A copy
+    from the prompt inside a value (``copy_value``) and outside one (``copy_prompt``, where
+    the prompt's schema text rarely is what comes) are learnt apart too."""
+    bucket = next(b for b, top in ((1, 1), (2, 2), (4, 7), (8, 15), (16, None)) if top is None or matched <= top)
+    return f"{kind}{bucket}"
+
+
 @dataclass(frozen=True)
 class SchemaFillConfig:
     budget: TreeBudget  # the head's MAIN tree
@@ -98,6 +108,7 @@ class SchemaFillConfig:
     pack_provisional: bool = True  # pack a value's unclosed SIDE prefix too
     side_optional: bool = True  # branches for the schema keys the forecast did not predict, last
     copy_len: int = 4  # MAIN chains copied from the prompt and from the response, at most this long; 0 = off
+    guess_ends: bool = False  # the packer guesses that an open value ends where its text stops, and the response after any call
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -179,7 +190,7 @@ class SchemaFill:
         # ---- initialisation: prompt + MAIN candidates + first SIDE prefixes, one call
         with phases("other"):
             tree = self._candidates(plans)
-            extra, owners = side.open_first(plans)
+            extra, owners = side.open_first(plans) if self._sides_pay() else ([], [])
         with phases("initialisation"):
             v = s.prefill(*tree, extra)
         init_nodes = len(tree[0]) + sum(len(seg.tokens) for seg in extra)
@@ -229,15 +240,19 @@ class SchemaFill:
         """The MAIN nodes and SIDE steps worth their cost this round, chosen together: MAIN's
         by their chance to be accepted, a SIDE step's rows by the launch's measured return on
         SIDE rows (tokens MAIN later accepted through packed SIDE values, per SIDE row spent),
-        its head-drafted second row by how often SIDE drafts hold. New SIDE contexts always
-        go. The current call's steps compete too: keeping them regardless (as before #23's
+        its head-drafted second row by how often SIDE drafts hold. New SIDE contexts go
+        while SIDE rows pay (``_sides_pay``), else wait. The current call's steps compete too: keeping them regardless (as before #23's
         second session) held every round at four rows or more, while on a CPU a call of up
         to three rows costs what one row does (10 spread BFCL450 requests, 2-core Xeon capped
         to AVX2: 28.3 -> 25.9 s, 238 -> 246 target calls)."""
+        if not self.budget.active:
+            steps = side.steps(owners)
+            return self.budget.choose(cand, pending + sum(len(seg.tokens) for seg, step in zip(extra, steps)
+                                                          if not step)), extra, owners
+        if not self._sides_pay():
+            extra, owners = side.defer_openings(extra, owners)
         steps = side.steps(owners)
         fixed = pending + sum(len(seg.tokens) for seg, step in zip(extra, steps) if not step)
-        if not self.budget.active:
-            return self.budget.choose(cand, fixed), extra, owners
         parents, values = list(cand.parents), self.budget.values(cand)
         worth, draft_rate = self._side_return(), self.budget.stats.rate(SIDE_DRAFT)
         first_rows = []
@@ -247,12 +262,30 @@ class SchemaFill:
                 for r in range(len(seg.tokens)):
                     parents.append(ROOT if r == 0 else len(parents) - 1)
                     values.append(worth if r == 0 else worth * draft_rate)
-        kept = set(self.budget.keep(parents, values, fixed))
+        kept, rate = self.budget.best(parents, values, fixed, side=bool(extra))
+        if any(steps) and all(steps):
+            # a call without SIDE rows may cost less than its row count says (their private
+            # contexts are attended apart): MAIN's nodes alone compete as a whole
+            alone, solo = self.budget.best(cand.parents, values[:len(cand)], fixed, side=False)
+            if solo > rate:
+                kept, rate = alone, solo
+        self.budget.commit(rate)
+        kept = set(kept)
         main = cand.subset(sorted(i for i in kept if i < len(cand)))
         rows = [len(seg.tokens) if first is None else sum(first + r in kept for r in range(len(seg.tokens)))
                 for seg, first in zip(extra, first_rows)]
         extra, owners = side.trim(extra, owners, rows)
         return main, extra, owners
+
+    def _sides_pay(self) -> bool:
+        """Do new SIDE contexts pay for their rows? Only while a SIDE row has returned at least
+        what a row costs at the rate rounds promise (the curve's per-row slope): a GPU, whose
+        rows are nearly free, keeps opening them; a 2-core CPU, whose rows cost ms each,
+        stops once the launch has measured that they return less. Steps of open branches
+        compete in selection either way."""
+        if not self.budget.active or not self.budget.rate:
+            return True
+        return self._side_return() >= self.budget.rate * self.budget.cost.base.linear_fit()[1]
 
     def _side_return(self) -> float:
         """Tokens MAIN accepted from packed chains through SIDE values (the values and the
@@ -260,7 +293,7 @@ class SchemaFill:
         return (self.side_credit + PRIOR_STRENGTH * 0.5) / (self.side_rows + PRIOR_STRENGTH)
 
     def _observe(self, cand: Candidates, v: Verified, extra: list[Segment], steps: list[bool]) -> None:
-        self.budget.observe(cand, v.accepted)
+        self.budget.observe(cand, v)
         self.side_rows += sum(len(seg.tokens) for seg in extra)
         self.side_credit += sum(cand.sources[i].startswith(SIDE_CHAIN) for i in v.accepted)
         for seg, step, choices in zip(extra, steps, v.extra_choices):
@@ -296,24 +329,41 @@ class SchemaFill:
         parts = []
         if cfg.copy_len and cfg.forecasts:
             # values are mostly copied from the request, and a response repeats itself
-            parts += [Candidates.chain(copy_after_suffix(s.tokens, source, length=cfg.copy_len, overlap=own), kind)
-                      for source, kind, own in ((prompt, "copy_prompt", False), (s.response, "copy_response", True))]
-        packed = []
+            for source, kind, own in ((prompt, "copy_value" if state.in_value else "copy_prompt", False),
+                                      (s.response, "copy_response", True)):
+                copied, matched = copy_match(s.tokens, source, length=cfg.copy_len, overlap=own)
+                parts.append(Candidates.chain(copied, copy_source(kind, matched)))
+        certain = False
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None
-            # a lone trailing space before an unknown value would not be the target's token
-            suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
-                                           fmt=self.fmt)
-            suffix = suffix.rstrip(" ")
-            packed = continuation_ids(self.tokenizer, s.response, text, suffix, self.fmt)[: cfg.max_chain]
-            if packed:
-                kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed, self.fmt)
-                # from the first value on, the chain exists only because a SIDE branch prepared it
-                first = next((i for i, k in enumerate(kinds) if k != BRIDGE), len(kinds))
-                parts.append(Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}"
-                                                              for i, k in enumerate(kinds)]))
+            chain = self._packed(s, text, state, plans, ahead)
+            if chain is not None:
+                parts.append(chain)
+                certain = not chain.sources[0].startswith("pack_close")
+                if cfg.guess_ends and any("_next:" in src for src in chain.sources):
+                    # the chain goes on to a next call: the response may end after this one instead
+                    ending = self._packed(s, text, state, plans[:state.calls_started], ahead)
+                    parts += [ending] if ending is not None else []
         # beside a packed chain the head's deeper levels are rarely taken, and each costs a
-        # head forward every round: there it may draft fewer levels (its catch-up runs either way)
-        depth = cfg.chain_head_depth if packed and cfg.chain_head_depth else None
+        # head forward every round: there it may draft fewer levels (its catch-up runs either
+        # way); a chain that starts by guessing MAIN's value ends here does not count
+        depth = cfg.chain_head_depth if certain and cfg.chain_head_depth else None
         return Candidates.merged([self.drafter.candidates(s.tokens, s.new_aux, depth), *parts],
                                  self.budget.stats.rate)
+
+    def _packed(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
+                ahead: dict[tuple[int, str], str] | None) -> Candidates | None:
+        """The packer's chain after MAIN's committed text, tokenised as the whole response
+        would be, each token tagged by what it is; None when the packer has nothing."""
+        cfg = self.cfg
+        suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
+                                       fmt=self.fmt, close=cfg.guess_ends)
+        suffix = suffix.rstrip(" ")  # a lone trailing space before an unknown value would not be the target's token
+        packed = continuation_ids(self.tokenizer, s.response, text, suffix, self.fmt)[: cfg.max_chain]
+        if not packed:
+            return None
+        kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed, self.fmt)
+        # from the first value on, the chain exists only because a SIDE branch prepared it
+        # (the structure, and the guessed end of MAIN's own value, are the packer's)
+        first = next((i for i, k in enumerate(kinds) if k not in STRUCTURE), len(kinds))
+        return Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}" for i, k in enumerate(kinds)])

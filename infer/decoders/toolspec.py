@@ -188,7 +188,7 @@ class ToolSpec:
             self.budget.host(1e3 * (time.perf_counter() - t))
             with phases("verification"):
                 v = s.verify(cand.tokens, cand.parents)
-            self.budget.observe(cand, v.accepted)
+            self.budget.observe(cand, v)
             self._learn(v)
             step += 1
         self.store.add(request.id, s.prompt_final, s.response)

@@ -57,6 +57,12 @@ class Decoded:
     kv_rows: int = 0  # peak target KV rows holding live data (prompt, committed, tree, SIDE); 0 = not measured
     forced: int = 0  # response tokens the grammar forced (decode.constrain=schema): no target decision
     pruned: int = 0  # draft nodes the grammar ruled out before verification
+    # each target call's rows and milliseconds (prefill first), and the EAGLE-3 head's forwards and
+    # their milliseconds: the shapes ``infer/gpu_project.py`` replays on a device
+    call_rows: list[int] = field(default_factory=list)
+    call_ms: list[float] = field(default_factory=list)
+    head_forwards: int = 0
+    head_ms: float = 0.0
 
 
 class Decoder(Protocol):

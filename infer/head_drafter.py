@@ -98,6 +98,7 @@ class HeadDrafter:
         self.round_ms = 0.0  # running mean of a round's drafting (catch-up and levels)
         self.skipped = 0  # rounds skipped in a row
         self.waiting: list[torch.Tensor] = []  # target features of skipped rounds, for the next catch-up
+        self.forwards, self.ms = 0, 0.0  # this request's head forwards and their milliseconds (with the logits)
 
     def start(self, capacity: int, arena_slots: int = 0) -> None:
         """A new request: at most ``capacity`` committed positions; ``arena_slots``: at least
@@ -105,6 +106,7 @@ class HeadDrafter:
         b = self.budget
         self.arena = self.head.new_arena(max(capacity + b.topk * max(b.depth - 1, 0) + 1, arena_slots))
         self.done, self.skipped, self.waiting = 0, 0, []
+        self.forwards, self.ms = 0, 0.0
 
     @torch.inference_mode()
     def entries(self, tokens: list[int], aux: list[torch.Tensor], positions: list[int], slots: list[int],
@@ -114,6 +116,7 @@ class HeadDrafter:
         slot ``slots[i]`` and seeing the head slots ``visible[i]``. Returns the output hidden
         states [len(want), H] of the entries listed in ``want`` (``top1`` turns them into drafts)."""
         head, dev = self.head, self.device
+        started = time.perf_counter()
         span = max(max(v) for v in visible) + 1
         vis = torch.zeros(1, len(tokens), span, dtype=torch.bool, device=dev)  # [1, N, S]
         for i, v in enumerate(visible):
@@ -121,12 +124,20 @@ class HeadDrafter:
         hidden = head.fc(torch.stack(aux).to(head.fc.weight.dtype))[None]  # [1, N, H]
         out = head.decode_step(torch.tensor(tokens, device=dev)[None], hidden, torch.tensor(positions, device=dev)[None],
                                vis, torch.tensor(slots, device=dev)[None], self.arena)  # [1, N, H]
+        self._count(1, started)
         return out[0, want]
 
     @torch.inference_mode()
     def top1(self, outs: torch.Tensor) -> list[int]:
         """[N, H] head outputs -> the most probable next token (a target id) after each."""
-        return [self.draft_to_target[d] for d in self.head.logits(outs).argmax(-1).tolist()]
+        started = time.perf_counter()
+        drafts = [self.draft_to_target[d] for d in self.head.logits(outs).argmax(-1).tolist()]
+        self._count(0, started)
+        return drafts
+
+    def _count(self, forwards: int, started: float) -> None:
+        self.forwards += forwards
+        self.ms += 1e3 * (time.perf_counter() - started)
 
     def draft(self, tokens: list[int], new_aux: torch.Tensor) -> tuple[list[int], list[int]]:
         """The draft tree (tokens, parents); ``scored`` has the arguments."""
@@ -145,9 +156,9 @@ class HeadDrafter:
         if self.waiting:
             new_aux = torch.cat([*self.waiting, new_aux])
         self.skipped, self.waiting = 0, []
-        started = time.perf_counter()
+        before = self.ms
         tree, parents, q = self.scored(tokens, new_aux, depth)
-        ms = 1e3 * (time.perf_counter() - started)
+        ms = self.ms - before
         self.round_ms = ms if not self.round_ms else (1 - LEVEL_EMA) * self.round_ms + LEVEL_EMA * ms
         if price is not None:
             price.head_drafted()
@@ -163,6 +174,7 @@ class HeadDrafter:
         fewer when the drafter's price says a level is not worth its time (module docstring).
         Returns the tree and the head's probability of each node given its parent."""
         head, dev, b, price = self.head, self.device, self.budget, self.price
+        drafting = time.perf_counter()
         h, m = self.done, new_aux.shape[0]
         n = h + m  # positions with target features; the first pending token sits at position n
         if not n < len(tokens):
@@ -173,6 +185,7 @@ class HeadDrafter:
         out = head.decode_step(torch.tensor(tokens[h + 1:n + 1], device=dev)[None], hidden, pos, visible, pos,
                                self.arena)
         self.done = n
+        forwards = 1  # the catch-up, then one per forced token and per level
         root_out = out[0, -1]  # [H]
         # pending tokens the grammar forced have no target features: the head reads them the
         # way it reads its own drafts (its previous output as the feature), in scratch slots
@@ -181,6 +194,7 @@ class HeadDrafter:
             step = torch.tensor([[q]], device=dev)
             root_out = head.decode_step(torch.tensor([[tokens[q + 1]]], device=dev), root_out[None, None], step,
                                         causal_visibility(step, q + 1), step, self.arena)[0, -1]
+            forwards += 1
         n = len(tokens) - 1  # the tree's root: the last pending token
 
         # candidates: token, parent, cumulative log-prob, chance to be accepted (with a price);
@@ -227,10 +241,12 @@ class HeadDrafter:
             for j, i in enumerate(f_nodes):
                 out_of[i] = outs[j]
             slot = span
+            forwards += 1
             frontier = expand(f_nodes, outs, [score[i] for i in f_nodes])
             ms = 1e3 * (time.perf_counter() - started)
             self.level_ms = ms if not self.level_ms else (1 - LEVEL_EMA) * self.level_ms + LEVEL_EMA * ms
 
+        self._count(forwards, drafting)
         chosen: set[int] = set()
         for i in sorted(range(len(tok)), key=lambda i: (-score[i], i)):
             if len(chosen) == b.total:

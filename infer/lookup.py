@@ -39,21 +39,36 @@ def copy_match(context: list[int], source: list[int], n_max: int = 3, length: in
     tail (the suffix found, followed further back; at most ``reach``; 0 when nothing is
     copied). A copy after a long agreement holds far more often than one after a single
     token (suffix decoding scores its candidates by the same evidence)."""
+    found = copy_matches(context, source, n_max, length, overlap, reach, 1)
+    return found[0] if found else ([], 0)
+
+
+def copy_matches(context: list[int], source: list[int], n_max: int = 3, length: int = 8, overlap: bool = False,
+                 reach: int = 16, most: int = 2) -> list[tuple[list[int], int]]:
+    """Up to ``most`` copies (``copy_match``'s, then the continuations of earlier occurrences
+    of the same suffix whose first token differs from every one before), latest first: where
+    a response alternates between two continuations of the same text, both are proposed."""
     for n in range(min(n_max, len(context)), 0, -1):
         tail = context[-n:]
+        found: list[tuple[list[int], int]] = []
         for start in range(len(source) - n - 1, -1, -1):  # leave at least one token to propose
-            if source[start:start + n] == tail:
-                copied = source[start + n:start + n + length]
-                if overlap:
-                    period = len(source) - start - n
-                    while len(copied) < length:
-                        copied.append(copied[len(copied) - period])
-                matched = n
-                while matched < min(reach, start + n, len(context)) and \
-                        source[start + n - matched - 1] == context[-matched - 1]:
-                    matched += 1
-                return copied, matched
-    return [], 0
+            if source[start:start + n] != tail or any(c[0] == source[start + n] for c, _ in found):
+                continue
+            copied = source[start + n:start + n + length]
+            if overlap:
+                period = len(source) - start - n
+                while len(copied) < length:
+                    copied.append(copied[len(copied) - period])
+            matched = n
+            while matched < min(reach, start + n, len(context)) and \
+                    source[start + n - matched - 1] == context[-matched - 1]:
+                matched += 1
+            found.append((copied, matched))
+            if len(found) == most:
+                break
+        if found:
+            return found
+    return []
 
 
 def ngram_lookup(context: list[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -56,7 +56,8 @@ def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferCon
     return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
             "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop, "nodes": d.nodes,
             "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows, "forced": d.forced,
-            "pruned": d.pruned, "valid": valid_response(d.text, r.functions, fmt=cfg.model.fmt)}
+            "pruned": d.pruned, "valid": valid_response(d.text, r.functions, fmt=cfg.model.fmt),
+            "call_rows": d.call_rows, "call_ms": d.call_ms, "head_forwards": d.head_forwards, "head_ms": d.head_ms}
 
 
 def run(cfg: InferConfig) -> dict:

@@ -73,6 +73,8 @@ class Counters:
     peak_rows: int = 0  # most arena rows live in one call: committed + tree + SIDE (reserved spare excluded)
     forced: int = 0  # response tokens the grammar allowed alone (the ones after a verification need no target decision)
     pruned: int = 0  # draft nodes the grammar ruled out before verification
+    call_rows: list[int] = field(default_factory=list)  # rows each call computed (prompt, pending, tree, SIDE)
+    call_ms: list[float] = field(default_factory=list)  # and its milliseconds (what a device projection replays)
 
     def call(self, nodes: int, rows: int) -> None:
         """One target call that verified ``nodes`` tree nodes with ``rows`` arena rows live."""
@@ -119,7 +121,8 @@ class MainSession:
         """What the decoder returns: the response and this session's counters."""
         c = self.counts
         return Decoded(ids=self.response, text=self.stop.text, stop=self.stop.reason, target_calls=c.target_calls,
-                       nodes=c.nodes, kv_rows=c.peak_rows, forced=c.forced, pruned=c.pruned, **extra)
+                       nodes=c.nodes, kv_rows=c.peak_rows, forced=c.forced, pruned=c.pruned, call_rows=c.call_rows,
+                       call_ms=c.call_ms, **extra)
 
     def prefill(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Verified:
         """The prompt, optionally with a MAIN tree hanging off its last token and extra
@@ -205,6 +208,8 @@ class MainSession:
         side_choice = logits[main_rows - first:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
         ms = 1e3 * (time.perf_counter() - start)  # the choices are on the host: the device has finished
         call_rows = rows
+        self.counts.call_rows.append(call_rows)
+        self.counts.call_ms.append(round(ms, 3))
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
         base = root_slot + 1  # committed MAIN continues right after the root
         self.arena.move(0, [slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])
@@ -234,4 +239,5 @@ class MainSession:
             r, c = r + len(seg.tokens), c + seg.deciding
         return Verified(accepted=[index[i] for i in accepted], correction=correction, committed=taken,
                         extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=tokens[first:main_rows],
-                        main_logits=logits[: main_rows - first], rows=call_rows, extra_rows=call_rows - main_rows, ms=ms)
+                        main_logits=logits[: main_rows - first], rows=call_rows, extra_rows=call_rows - main_rows,
+                        ms=ms)

@@ -132,17 +132,6 @@ class SideContexts:
         segments.append(self._segment(own, shared, trunk.slots if trunk else [], slots, decides=1))  # the value's start
         return segments
 
-    def unopen(self, b: Branch) -> None:
-        """Undo ``open`` for a branch whose segments were not verified: it opens again later
-        (a trunk left with no branch goes too, as ``free`` drops one)."""
-        self.pool.give(b.slots)
-        b.tokens, b.slots = [], []
-        if b.trunk is not None:
-            b.trunk.branches -= 1
-            if not b.trunk.branches:
-                self._drop(b.trunk)
-            b.trunk = None
-
     def reserve(self, b: Branch, depth: int) -> bool:
         """Rows for the pending token (and a draft when ``depth`` is 1) of the next call."""
         slots = self.pool.take(1 + depth)
@@ -318,14 +307,16 @@ class SideBranches:
             for b, d in zip(stepping, drafter.top1(drafter.entries(*entries, want))):
                 b.draft = d
 
-    def segments(self) -> tuple[list[Segment], list[Branch | Trunk]]:
-        """This round's SIDE nodes: new prefixes, then each reserved step; a branch the pool
-        has no room for tries again next round. ``owners[i]`` settles segment i."""
+    def segments(self, open_new: bool = True) -> tuple[list[Segment], list[Branch | Trunk]]:
+        """This round's SIDE nodes: new prefixes (unless ``open_new`` is off: they wait), then
+        each reserved step; a branch the pool has no room for tries again next round.
+        ``owners[i]`` settles segment i."""
         extra: list[Segment] = []
         owners: list[Branch | Trunk] = []
         for b in self.branches:
             if b.pending is None:
-                _queue(self.contexts.open(b), b, extra, owners)
+                if open_new:
+                    _queue(self.contexts.open(b), b, extra, owners)
             elif b.reserved:
                 _queue([self.contexts.step(b)], b, extra, owners)
         return extra, owners
@@ -334,18 +325,6 @@ class SideBranches:
         """Which of this round's segments are steps (a branch's pending token and draft), the
         ones a cost-aware round may trim; the rest compute new contexts."""
         return [isinstance(o, Branch) and bool(o.reserved) for o in owners]
-
-    def defer_openings(self, extra: list[Segment], owners: list[Branch | Trunk]
-                       ) -> tuple[list[Segment], list[Branch | Trunk]]:
-        """This round's segments without the new contexts (their branches open again later):
-        the steps, and the trunks a kept branch still needs."""
-        steps = self.steps(owners)
-        for owner, step in zip(owners, steps):
-            if isinstance(owner, Branch) and not step:
-                self.contexts.unopen(owner)
-        kept = [(seg, o) for seg, o, step in zip(extra, owners, steps)
-                if step or isinstance(o, Trunk) and tuple(o.ids) in self.contexts.trunks]
-        return [seg for seg, _ in kept], [o for _, o in kept]
 
     def trim(self, extra: list[Segment], owners: list[Branch | Trunk], rows: list[int]
              ) -> tuple[list[Segment], list[Branch | Trunk]]:

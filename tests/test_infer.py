@@ -64,7 +64,7 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert metrics["eagle3"]["nodes_per_verify"] <= 8 < metrics["eagle3_wide"]["nodes_per_verify"] <= 60
     rows = [json.loads(x) for x in (out / "outputs" / "eagle3.jsonl").read_text().splitlines()]
     assert set(rows[0]) == {"id", "sample", "repeat", "text", "prompt_ids", "output_ids", "target_calls", "seconds",
-                            "stop", "forced", "valid"}
+                            "stop", "forced", "valid", "call_rows", "call_ms", "head_forwards", "head_ms"}
     assert set(metrics["schemafill"]["time_breakdown"]) == {"forecast", "drafting", "verification", "other",
                                                             "initialisation"}
     for row in result["rows"]["ar"]:  # AR's KV holds the prompt and every response token but the last
@@ -142,6 +142,24 @@ def test_cost_aware_launch_is_lossless_interleaved_and_reports_its_cost_curve(tm
     assert metrics["ar"]["requests"] == 6  # two passes over three requests, pooled
     assert sorted(r["repeat"] for r in result["rows"]["schemafill"]) == [0, 0, 0, 1, 1, 1]
     assert len(list((tmp_path / "cost").glob("*.json"))) == 1  # measured once, shared by every method
+    # every call's shape is recorded: the prefill (the prompt, for SchemaFill with its first
+    # candidates) first, then one per verification; the head's forwards where a head drafts
+    for m, rows in result["rows"].items():
+        for r in rows:
+            assert len(r["call_rows"]) == len(r["call_ms"]) == r["target_calls"]
+            assert r["call_rows"][0] >= len(r["prompt_ids"]) and min(r["call_rows"]) >= 1
+            assert (r["head_forwards"] > 0) == (m in ("eagle3", "schemafill"))
+
+    # ... which the device projection replays (here on the CPU at the tiny shape)
+    from infer.gpu_project import run as project
+
+    report = project(str(tmp_path / "out"), shape="tiny", repeats=1)
+    projected = report["methods"]
+    assert set(projected) == {"ar", "eagle3", "ngram", "suffix", "schemafill"} and projected["ar"]["x_ar"] == 1.0
+    for m, v in projected.items():
+        assert v["tokens"] == metrics[m]["tokens"] and v["target_s"] > 0 and v["tps"] > 0
+        assert (v["head_s"] > 0) == (m in ("eagle3", "schemafill"))
+    assert report["prefill_ms"] and all(int(n) & (int(n) - 1) == 0 for n in report["verify_ms"])  # powers of two
 
 
 def test_help_names_the_methods_and_the_node_selection():

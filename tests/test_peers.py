@@ -16,7 +16,7 @@ from infer.decoders.suffix import SuffixDecoding
 from infer.decoders.toolspec import SchemaFSM, ToolSpec, retrieval_candidates
 from infer.decoders.toolspec_lite import ToolSpecLite
 from infer.decoding import DecodeOptions
-from infer.lookup import copy_after_suffix, first_matches, ngram_lookup
+from infer.lookup import copy_after_suffix, copy_match, copy_matches, first_matches, ngram_lookup
 from infer.node_budget import NodeBudget
 from infer.retrieval import RetrievalStore
 from infer.suffix_tree import SuffixTree
@@ -45,6 +45,22 @@ def test_a_copy_from_the_response_itself_runs_on_through_its_own_tokens():
     assert copy_after_suffix([9, 9] + response, response, length=5, overlap=True) == [1, 2, 1, 2, 1]
     assert copy_after_suffix([3, 4, 5, 3], [3, 4, 5, 3], length=5, overlap=True) == [4, 5, 3, 4, 5]  # period 3
     assert copy_after_suffix([1, 2, 3], [1, 2, 3], length=4, overlap=True) == []  # nothing repeats
+
+
+def test_a_copy_knows_how_long_its_match_is_and_what_else_followed_the_same_text():
+    source = [5, 1, 2, 3, 9, 9, 8, 1, 2, 3, 7, 7, 1, 2, 3, 4]
+    # the last "1 2 3" is followed by 4, the one before by 7 7, the first by 9 9 (after a 5)
+    assert copy_match([0, 1, 2, 3], source, length=2) == ([4], 3)
+    assert copy_match([5, 1, 2, 3], source[:-4], length=2) == ([7, 7], 3)  # 8 before it is not 5: 3 tokens
+    assert copy_match([6, 5, 1, 2, 3], source[:6], length=2) == ([9, 9], 4)  # the agreement runs back to the 5
+    assert copy_match([6, 6], source) == ([], 0)
+    # alternatives: the latest continuation first, then the latest whose first token differs
+    assert copy_matches([0, 1, 2, 3], source, length=2) == [([4], 3), ([7, 7], 3)]
+    assert copy_matches([0, 1, 2, 3], source, length=2, most=3) == [([4], 3), ([7, 7], 3), ([9, 9], 3)]
+    twice = [1, 2, 3, 7, 1, 2, 3, 7, 1, 2, 3]  # the same continuation twice: one alternative only
+    assert copy_matches([1, 2, 3], twice, length=1) == [([7], 3)]
+    loop = [4, 1, 2, 1, 2, 1, 2]  # a response in a loop agrees far back (capped at ``reach``)
+    assert copy_match([9] + loop, loop, length=3, overlap=True, reach=4) == ([1, 2, 1], 4)
 
 
 def test_ngram_lookup_longest_ngram_earliest_occurrence():

@@ -52,7 +52,7 @@ def decode_tree(target: Target, tokenizer: Any, prompt: list[int], max_new_token
         cand = budget.choose(candidates_of(drafter, s.tokens, s.new_aux), fixed_rows=len(s.tokens) - s.n_kv)
         budget.host(1e3 * (time.perf_counter() - t))
         budget.observe(cand, s.verify(cand.tokens, cand.parents))
-    return s.decoded()
+    return s.decoded(head_forwards=getattr(drafter, "forwards", 0), head_ms=round(getattr(drafter, "ms", 0.0), 3))
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ from infer.forecast import call_plan, forecast_groups, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
 from infer.packer import STRUCTURE, CallPlan, continuation_ids, propose_tagged, token_kinds
 from infer.phases import Phases
-from infer.lookup import copy_match
+from infer.lookup import copy_matches
 from infer.node_budget import NodeBudget
 from infer.acceptance import PRIOR_STRENGTH
 from infer.session import MainSession, Segment, Verified
@@ -108,7 +108,7 @@ class SchemaFillConfig:
     pack_provisional: bool = True  # pack a value's unclosed SIDE prefix too
     side_optional: bool = True  # branches for the schema keys the forecast did not predict, last
     copy_len: int = 4  # MAIN chains copied from the prompt and from the response, at most this long; 0 = off
-    guess_ends: bool = False  # the packer guesses that an open value ends where its text stops, and the response after any call
+    guess_ends: bool = False  # the packer guesses where an open value, and the response, end
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -177,7 +177,7 @@ class SchemaFill:
             plans = self._forecast(request, groups, values)
         s = MainSession(self.target, prompt, options.response_stop(self.tokenizer, self.eos, self.max_new_tokens,
                                                                    self.fmt),
-                        scratch=cfg.budget.total + cfg.max_chain + 2 * cfg.copy_len,
+                        scratch=cfg.budget.total + 2 * cfg.max_chain + 3 * cfg.copy_len,  # head, packed chains, copies
                         side_capacity=cfg.side_capacity, sampler=options.sampler, constraint=options.constraint)
         self.drafter.start(s.layout.positions, s.layout.capacity)
         # before stage C there are no branches: the SIDE steps below do nothing
@@ -194,6 +194,7 @@ class SchemaFill:
         with phases("initialisation"):
             v = s.prefill(*tree, extra)
         init_nodes = len(tree[0]) + sum(len(seg.tokens) for seg in extra)
+        self.side_rows += sum(len(seg.tokens) for seg in extra)  # SIDE rows too: what SIDE branches cost
         side.settle(owners, v)
 
         round_start = time.perf_counter()
@@ -221,7 +222,7 @@ class SchemaFill:
             with phases("drafting"):
                 side.draft(stepping, self.drafter, s.prompt_aux)
             with phases("other"):
-                extra, owners = side.segments()
+                extra, owners = side.segments(open_new=self._sides_pay())
             # ---- keep the MAIN nodes and SIDE steps worth their cost
             with phases("drafting"):
                 cand, extra, owners = self._choose(cand, extra, owners, side, len(s.tokens) - s.n_kv)
@@ -233,24 +234,24 @@ class SchemaFill:
             with phases("other"):
                 side.settle(owners, v)
                 side.collect(plans)
-        return s.decoded(init_nodes=init_nodes, times=phases.times)
+        return s.decoded(init_nodes=init_nodes, times=phases.times, head_forwards=self.drafter.forwards,
+                         head_ms=round(self.drafter.ms, 3))
 
     def _choose(self, cand: Candidates, extra: list[Segment], owners: list, side: SideBranches, pending: int
                 ) -> tuple[Candidates, list[Segment], list]:
         """The MAIN nodes and SIDE steps worth their cost this round, chosen together: MAIN's
         by their chance to be accepted, a SIDE step's rows by the launch's measured return on
         SIDE rows (tokens MAIN later accepted through packed SIDE values, per SIDE row spent),
-        its head-drafted second row by how often SIDE drafts hold. New SIDE contexts go
-        while SIDE rows pay (``_sides_pay``), else wait. The current call's steps compete too: keeping them regardless (as before #23's
-        second session) held every round at four rows or more, while on a CPU a call of up
-        to three rows costs what one row does (10 spread BFCL450 requests, 2-core Xeon capped
-        to AVX2: 28.3 -> 25.9 s, 238 -> 246 target calls)."""
+        its head-drafted second row by how often SIDE drafts hold; MAIN's nodes alone compete
+        against MAIN and SIDE together. New SIDE contexts (opened only while SIDE rows pay,
+        ``_sides_pay``) always go. The current call's steps compete too: keeping them
+        regardless (as before #23's second session) held every round at four rows or more,
+        while on a CPU a call of up to three rows costs what one row does (10 spread BFCL450
+        requests, 2-core Xeon capped to AVX2: 28.3 -> 25.9 s, 238 -> 246 target calls)."""
         if not self.budget.active:
             steps = side.steps(owners)
             return self.budget.choose(cand, pending + sum(len(seg.tokens) for seg, step in zip(extra, steps)
                                                           if not step)), extra, owners
-        if not self._sides_pay():
-            extra, owners = side.defer_openings(extra, owners)
         steps = side.steps(owners)
         fixed = pending + sum(len(seg.tokens) for seg, step in zip(extra, steps) if not step)
         parents, values = list(cand.parents), self.budget.values(cand)
@@ -331,8 +332,11 @@ class SchemaFill:
             # values are mostly copied from the request, and a response repeats itself
             for source, kind, own in ((prompt, "copy_value" if state.in_value else "copy_prompt", False),
                                       (s.response, "copy_response", True)):
-                copied, matched = copy_match(s.tokens, source, length=cfg.copy_len, overlap=own)
-                parts.append(Candidates.chain(copied, copy_source(kind, matched)))
+                # the latest occurrence's continuation, and in the response one that went another
+                # way after the same text (a response alternating between two calls)
+                for rank, (copied, matched) in enumerate(copy_matches(s.tokens, source, length=cfg.copy_len,
+                                                                      overlap=own, most=2 if own else 1)):
+                    parts.append(Candidates.chain(copied, copy_source(kind if not rank else "copy_other", matched)))
         certain = False
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None

@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run full test test-full bench serve serve-bench gpu-check clean
+.PHONY: help setup run full test test-full bench serve serve-bench gpu-check gpu-project clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -63,6 +63,9 @@ serve-bench: setup  ## in-process decode vs the HTTP path (whole and streamed), 
 
 gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
 	$(BIN)/python infer/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json
+
+gpu-project: setup  ## one CUDA GPU, a few min: `make bench`'s call shapes replayed on a 7B-shaped target -> outputs/bench/gpu_projection.json
+	$(BIN)/python infer/gpu_project.py --bench outputs/bench --shape qwen2.5-7b
 
 clean:  ## remove generated outputs (keeps .venv and artifacts/)
 	rm -rf outputs multirun wandb .pytest_cache

@@ -86,7 +86,8 @@ class CostModel:
 
 def size_bucket(n: int) -> int:
     """The calls a measured time is pooled with: up to 8 rows each size alone (a CPU's matrix
-    kernels change at small sizes: here 3 rows cost 37 ms and 4 rows 50), then powers of two."""
+    kernels change at small sizes: on 2 cores of the AVX-512 Xeon capped to AVX2, 3 rows of the
+    built-in target cost 37 ms and 4 rows 50), then powers of two."""
     return n if n <= 8 else 1 << (n - 1).bit_length()
 
 
@@ -102,6 +103,10 @@ class LiveCost:
     strength: float = 4.0
     residual: dict[tuple[int, bool], float] = field(default_factory=dict)  # summed (measured - curve) ms
     calls: dict[tuple[int, bool], int] = field(default_factory=dict)
+    per_row: float = field(init=False)  # the curve's ms per row (its linear fit's slope)
+
+    def __post_init__(self) -> None:
+        self.per_row = self.base.linear_fit()[1]
 
     def __call__(self, n: int, side: bool = False) -> float:
         """Milliseconds of a call of ``n`` rows, ``side``: some of them SIDE rows."""

@@ -145,9 +145,8 @@ def run(bench_dir: str, shape: str = "qwen2.5-7b", repeats: int = 5) -> dict:
     answer = statistics.fmean(len(r["output_ids"]) for r in all_rows)
     context = int(prompt + answer / 2)
     sizes = sorted({bucket(n) for r in all_rows for n in r["call_rows"][1:]})
-    top = max(len(r["prompt_ids"]) for r in all_rows)
-    prompts = sorted({min(64 * -(-r["call_rows"][0] // 64), top + 64) for r in all_rows})
-    prompts = sorted(set(prompts[:: max(1, len(prompts) // 6)] + [prompts[-1]]))  # at most ~7 prefill lengths
+    prefills = sorted({64 * -(-r["call_rows"][0] // 64) for r in all_rows})  # each rounded up to 64 rows
+    prompts = sorted(set(prefills[:: max(1, len(prefills) // 6)] + [prefills[-1]]))  # at most ~7 timed
     started = time.perf_counter()
     target, head = build(shape, device, dtype)
     verify, prefill = target_costs(target, context, sizes, prompts, repeats)

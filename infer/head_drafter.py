@@ -23,8 +23,9 @@ level cost a head forward of milliseconds, and a head whose drafts the target ra
 those tokens are worth less than its time, drafting one round in ``SKIP_AT_MOST + 1`` to
 keep measuring (never the first round of a request: SIDE drafts read the prompt's head
 entries its first catch-up writes). A skipped round's target features wait for the next
-catch-up, so the head's KV is the same whenever it drafts. On a 2-core CPU the head of
-``make run`` took about 9 ms a round for 0.1 accepted tokens; a trained head on a GPU pays.
+catch-up, so the head's KV is the same whenever it drafts. On 2 cores of an AVX-512 Xeon
+capped to AVX2 the head of ``make run`` took about 9 ms a round inside SchemaFill for 0.1
+accepted tokens; a trained head on a GPU pays.
 
 Scratch head slots start right after the committed ones and are overwritten by the next
 catch-up; nothing drafted ever enters the committed head KV.

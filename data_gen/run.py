@@ -10,10 +10,9 @@ user's own JSONL files → ``artifacts/requests/{bfcl450,glaive650,train}.jsonl`
 from __future__ import annotations
 
 import sys
-from importlib import metadata
 from pathlib import Path
 
-from data_gen.corpora import bfcl_categories, bfcl_data_dir, load_bfcl, load_glaive
+from data_gen.corpora import bfcl_categories, bfcl_data_dir, bfcl_version, load_bfcl, load_glaive
 from data_gen.generate import build_continuations
 from data_gen.splits import make_splits
 from schemafill import atomic
@@ -34,7 +33,7 @@ def build_requests(cfg: PipelineConfig, tracker: Tracker | None = None) -> dict:
     corpus = {k: v for k, v in to_dict(cfg.data).items() if k != "continuations"}
     fp = fingerprint({
         "data": corpus,
-        "bfcl": _bfcl_version(bfcl_dir),
+        "bfcl": bfcl_version(bfcl_dir),
         "extra": [_file_stamp(p) for p in cfg.data.extra_requests],
         "format": 1,
     })
@@ -73,13 +72,6 @@ def build_requests(cfg: PipelineConfig, tracker: Tracker | None = None) -> dict:
 def _counts(stats: dict) -> str:
     evals = ", ".join(f"{k}={v}" for k, v in stats["eval"].items())
     return f"{evals}, train={stats['train']} (dropped {stats['dropped']}), rejected={stats['rejected']}"
-
-
-def _bfcl_version(bfcl_dir: Path) -> str:
-    try:
-        return metadata.version("nvidia-bfcl")
-    except metadata.PackageNotFoundError:
-        return str(bfcl_dir.resolve())
 
 
 def _file_stamp(path: str) -> list:

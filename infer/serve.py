@@ -5,185 +5,23 @@
 ``POST /v1/chat/completions`` (``messages``, ``tools``, ``tool_choice``, ``temperature``,
 ``top_p``, ``seed``, ``max_tokens``, ``stream``), ``GET /v1/models``, ``GET /health`` and
 ``GET /metrics`` (Prometheus). The target and head load once; requests decode one at a
-time (``infer/serve_engine``). ``tool_choice: required`` or a named function decodes
+time (``infer/serving/engine.py``). ``tool_choice: required`` or a named function decodes
 under the response grammar, so the call always parses and validates; ``auto`` decodes
 free; ``none`` returns the response as content. Answers are the decoders' own tokens:
 lossless methods answer exactly what greedy AR would. ``run(cfg) -> dict`` serves until
-interrupted; ``create_app`` and ``BackgroundServer`` are what tests and
-``infer/serve_bench.py`` use.
+interrupted. ``python infer/serve.py --help`` lists the settings (``conf/serve.yaml``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sys
-import threading
-import time
-import uuid
-from concurrent.futures import Future
-from typing import Any, AsyncIterator
 
 import hydra
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from omegaconf import DictConfig
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from infer.openai_message import MessageStream, finish_reason, message
-from infer.openai_protocol import APIError, chunk, completion, parse_body, parse_chat_request, usage
-from infer.serve_engine import Cancelled, Engine, Job
+from infer.serving.app import create_app
+from infer.serving.engine import Engine
 from schemafill.config import ServeConfig, register_configs, to_dataclass
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def create_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="SchemaFill", summary="Slot-parallel speculative decoding behind the OpenAI API")
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(Exception)
-    async def server_error(_: Request, e: Exception) -> JSONResponse:  # never takes the server down
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").body(),
-                            status_code=500)
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "models": list(engine.models), "outstanding": engine.outstanding,
-                "queue_size": engine.cfg.queue_size}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": engine.created,
-                                            "owned_by": "schemafill", "method": method}
-                                           for m, method in engine.models.items()]}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        try:
-            chat = parse_chat_request(parse_body(await request.body()), engine.models, cid,
-                                      engine.cfg.decode.temperature, engine.fmt)
-            job = await asyncio.to_thread(engine.prepare, chat)  # tokenizing, compiling a grammar: off the loop
-        except APIError as e:
-            engine.metrics.requests.labels("", str(e.status)).inc()  # refused before a method was chosen
-            raise
-        created, call_id = int(time.time()), (lambda i: f"call_{cid[9:]}_{i}")
-        parse_calls = chat.tool_choice != "none"
-        if chat.stream:  # queued (or refused with 503) before the stream's 200 goes out
-            loop, texts = asyncio.get_running_loop(), asyncio.Queue()
-            future = engine.submit(job, lambda ids: loop.call_soon_threadsafe(texts.put_nowait, engine.text(ids)))
-            future.add_done_callback(lambda _: loop.call_soon_threadsafe(texts.put_nowait, None))
-            return StreamingResponse(_stream(engine, job, future, texts, cid, created, call_id, parse_calls),
-                                     media_type="text/event-stream")
-        future = engine.submit(job)
-        watch = asyncio.create_task(_watch_disconnect(request, job))
-        try:
-            decoded = await asyncio.wrap_future(future)
-        except Cancelled:
-            engine.metrics.requests.labels(chat.method, "499").inc()
-            return Response(status_code=499)
-        except Exception:
-            engine.metrics.requests.labels(chat.method, "500").inc()
-            raise
-        finally:
-            watch.cancel()
-        engine.metrics.requests.labels(chat.method, "200").inc()
-        text = engine.text(decoded.ids, final=True)
-        msg = message(text, call_id, parse_calls, engine.fmt)
-        return completion(cid, created, chat.model, msg, finish_reason(msg, decoded.stop, text, engine.fmt),
-                          usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method))
-
-    return app
-
-
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """Cancel ``job`` when its client goes away (its place in the queue is then freed)."""
-    while not job.cancel.is_set():
-        if await request.is_disconnected():
-            job.cancel.set()
-            return
-        await asyncio.sleep(0.1)
-
-
-async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue, cid: str, created: int,
-                  call_id: Any, parse_calls: bool) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format: the response after every round (``texts``,
-    None once the decode ``future`` is done), as deltas."""
-    chat, stream = job.chat, MessageStream(call_id, parse_calls, engine.fmt)
-
-    def event(delta: dict, finish: str | None = None) -> str:
-        return _sse(chunk(cid, created, chat.model, delta, finish))
-
-    status = "200"
-    try:
-        yield event({"role": "assistant"})
-        while (text := await texts.get()) is not None:
-            for delta in stream.feed(text):
-                yield event(delta)
-        try:
-            decoded = future.result()
-        except Cancelled:
-            status = "499"
-            return
-        except Exception as e:  # the stream has begun: the error goes in it, then it ends
-            status = "500"
-            yield _sse(APIError(500, f"decoding failed: {type(e).__name__}: {e}", kind="server_error").body())
-            yield "data: [DONE]\n\n"
-            return
-        text = engine.text(decoded.ids, final=True)
-        for delta in stream.feed(text, final=True):
-            yield event(delta)
-        msg = message(text, call_id, parse_calls, engine.fmt)
-        yield event({}, finish_reason(msg, decoded.stop, text, engine.fmt))
-        if chat.include_usage:
-            use = usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method)
-            yield _sse(chunk(cid, created, chat.model, {}, use=use, choices=False))
-        yield "data: [DONE]\n\n"
-    except ValueError as e:  # the streamed text was revised: say so in the stream rather than drop it
-        status = "500"
-        yield _sse(APIError(500, f"streaming failed: {e}", kind="server_error").body())
-        yield "data: [DONE]\n\n"
-    except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
-        status = "499"
-        raise
-    finally:
-        job.cancel.set()  # stops the decode at its next round if it is still running
-        engine.metrics.requests.labels(chat.method, status).inc()
-
-
-class BackgroundServer:
-    """A server on a thread of this process, on a free port (tests and the serve bench)."""
-
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> "BackgroundServer":
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.time() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def run(cfg: ServeConfig) -> dict:

@@ -134,7 +134,7 @@ ABLATIONS = ("A", "B", "C", "D")  # SchemaFill's stages (paper Table 2)
 
 @dataclass
 class DecodeConfig:
-    temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling (infer/sampling.py)
+    temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling (infer/spec/sampling.py)
     top_p: float = 1.0  # nucleus of the target's distribution when sampling (1 = off)
     seed: int = 0
     max_new_tokens: int = 512
@@ -142,7 +142,7 @@ class DecodeConfig:
     depth: int = 2  # MAIN draft depth (EAGLE-3 tree depth)
     total_tokens: int = 8  # draft tokens per verification
     side_depth: int = 1  # head-drafted tokens per SIDE branch and round (paper: 1; 0 = the target's token only)
-    pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/packer.py)
+    pack_provisional: bool = True  # also pack a value's unclosed SIDE prefix (beyond the paper; infer/slots/packer.py)
     side_optional: bool = True  # SIDE branches for optional schema keys too, after the predicted ones
     # none | schema: MAIN's choices obey the response grammar of the request's tools | prune: the
     # target stays free, drafts that grammar forbids are dropped before verification
@@ -154,13 +154,13 @@ class DecodeConfig:
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
     # cost: each round verifies the candidates worth their measured cost on this hardware
-    # (infer/node_budget.py); fixed: every candidate the budget above drafts (the paper's)
+    # (infer/pricing/budget.py); fixed: every candidate the budget above drafts (the paper's)
     select: str = "cost"
     cost_context: int = 512  # committed positions the start-up cost measurement attends to
     cost_cache: str = ""  # folder of measured cost curves ("" = $XDG_CACHE_HOME/schemafill/cost)
     # a round's host-side milliseconds as selection prices them: null = measured as the launch
     # goes (the default); a number fixes it, so the nodes kept no longer depend on timing and
-    # two launches verify the same trees (infer/behaviour.py)
+    # two launches verify the same trees (infer/eval/behaviour.py)
     host_ms: float | None = None
     # the training-free peers' own settings
     ngram: NgramConfig = field(default_factory=NgramConfig)
@@ -208,8 +208,8 @@ class TargetTrainConfig:
     context_grad: bool = True
     max_examples: int = 0  # fine-tune on at most this many examples, call_mix kept (0 = all)
     # the response tokens that close or continue a container (another key or call, or not)
-    # count this many times in the loss: the target's failures are loops there. Measured on the
-    # built-in target (61 steps, 2 AVX2 cores): 3.0 gave valid JSON 0.91 against 0.93 at 1.0
+    # count this many times in the loss: the target's failures are loops there (docs/builtin-target.md:
+    # weighting them did not help the built-in target)
     decision_weight: float = 1.0
     # bf16 autocast on CPU: auto = only where the host computes bf16 natively (AVX512-BF16 or
     # AMX; emulated bf16 is ~30x slower than fp32), true / false force it. CUDA always uses bf16.

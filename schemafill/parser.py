@@ -415,12 +415,3 @@ def response_layout(text: str, fmt: ResponseFormat = JSON) -> tuple[CallLayout, 
     parser = ToolCallParser(fmt)
     parser.feed(text)
     return parser.layout
-
-
-def value_literal(text: str, key: str, fmt: ResponseFormat = JSON) -> str | None:
-    """The literal of ``key``'s value in the last call of ``text``, once it has closed.
-
-    A number closes only at the character after it, so ``text`` may run one past it."""
-    state = parse_prefix(text, fmt)
-    return next((text[a:e] for k, a, e in state.spans if k == key), None)
-

@@ -252,14 +252,6 @@ MISTRAL = ResponseFormat(
 FORMATS = {f.name: f for f in (JSON, HERMES, HERMES3, MISTRAL)}
 
 
-def get_format(name: str) -> ResponseFormat:
-    """The format called ``name`` (``model.response_format``), naming the known ones if not."""
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown response format {name!r}; expected one of {sorted(FORMATS)}") from None
-
-
 # ------------------------------------------------------------------------- reading calls back
 @dataclass
 class CallSpan:
@@ -361,3 +353,16 @@ def _value_end(text: str, i: int) -> int | None:
     while j < len(text) and text[j] not in ",}]" + _WS:
         j += 1
     return j if j < len(text) else None
+
+
+def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str,
+                     fmt: ResponseFormat = JSON) -> list[int]:
+    """Tokens for ``suffix`` after ``committed`` (whose text the packer saw as ``text``) as the
+    whole response would be tokenised (BPE merges across the boundary), falling back to
+    the suffix alone; nothing while the parsed text lags (a split multi-byte character)."""
+    if not suffix or fmt.decode(tokenizer, committed) != text:
+        return []
+    full = tokenizer(text + suffix, add_special_tokens=False).input_ids
+    if full[: len(committed)] == committed and len(full) > len(committed):
+        return full[len(committed):]
+    return tokenizer(suffix, add_special_tokens=False).input_ids

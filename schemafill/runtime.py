@@ -28,8 +28,8 @@ from schemafill.layers import MLP, RMSNorm, Rotary, apply_rotary, attend, query_
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # what one more attention call costs on a CPU, in FLOPs of attention work (4 per head dim per
-# (row, slot) pair): on 2 cores a call costs about 20 µs and a pair 0.02-0.06 µs at 9 x 64 dims
-# (the built-in target, #23's second session, a Xeon capped to AVX2)
+# (row, slot) pair): a call's fixed overhead is worth a few hundred thousand (row, slot) pairs
+# of a small model's heads, so blocks are split only where they save more than that
 CPU_CALL_FLOPS = 2e6
 
 

@@ -123,3 +123,44 @@ def accelerate_launch(processes: int, script: str, *args: str, timeout: int = 12
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- decoding through the one loop
+def decode_ar(target, tokenizer, prompt, max_new_tokens, eos, sampler=None, constraint=None, fmt=None):
+    """Greedy (or sampled) AR: the round loop with a policy that proposes nothing."""
+    from infer.spec import loop
+    from infer.spec.decoding import DecodeOptions, Runtime
+    from schemafill.response_format import JSON
+
+    rt = Runtime(target, tokenizer, frozenset(eos), max_new_tokens, fmt or JSON)
+    return loop.decode(rt, prompt, DecodeOptions(sampler, constraint), loop.Drafting())
+
+
+class Drafts:
+    """A test drafter with ``draft(tokens, new_aux) -> (tokens, parents)`` as a loop proposer."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+
+    def start(self, s) -> None:
+        self.drafter.start(s.layout.positions)
+
+    def propose(self, s):
+        from infer.spec.candidates import Candidates
+
+        return Candidates.tree(*self.drafter.draft(s.tokens, s.new_aux), "draft")
+
+    def finish(self, s) -> dict:
+        return {}
+
+
+def decode_tree(target, tokenizer, prompt, max_new_tokens, eos, drafter, scratch=64, sampler=None, constraint=None,
+                budget=None, fmt=None):
+    """Every round, what ``drafter`` proposes (a loop proposer, or a test drafter), priced by ``budget``."""
+    from infer.spec import loop
+    from infer.spec.decoding import DecodeOptions, Runtime
+    from schemafill.response_format import JSON
+
+    rt = Runtime(target, tokenizer, frozenset(eos), max_new_tokens, fmt or JSON)
+    proposer = drafter if hasattr(drafter, "propose") else Drafts(drafter)
+    return loop.decode(rt, prompt, DecodeOptions(sampler, constraint), loop.Proposing(proposer, scratch, budget))

@@ -4,9 +4,8 @@ When the embeddings and the lower ``split`` decoder layers are frozen, their out
 example never changes during training: it is computed once (no grad) and every later visit
 of the example runs only the trainable upper layers. On a CPU that computes in fp32 the
 forward through the frozen layers is most of a training step, so an example seen again
-costs a fraction of its first visit (the built-in target with its top 4 of 30 layers
-trained, fp32 on 2 AVX2 cores: ~160 tokens/s on a first visit, ~460 on later ones;
-``train=cpu`` trains 16, its first visits dominate).
+costs a fraction of its first visit (the fewer layers train, the larger the saving;
+``train=cpu`` trains 16 of the built-in target's 30, and its first visits dominate).
 
 ``upper_final_detached_context`` runs the top layers over a context (the prompt) without
 grad and over the tail (the response) with it, reading the context's keys and values as a

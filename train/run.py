@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from data_gen.run import build_continuations, build_requests
-from infer.eval import build_eval
+from infer.eval.stage import build_eval
 from schemafill import atomic
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
 from schemafill.device import host_summary

@@ -56,7 +56,7 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
         examples.append(Example(req.id, ids + resp + end, len(ids), len(req.reference), req.source == "composed",
                                 tuple(len(ids) + i for i in decisions)))
     # Most corpus requests need one call; BFCL450 needs 2-4 (3.1 on average). Left as is, the
-    # model learns one call as its prior (measured: 1.1 calls per response against 3.1), so
+    # model learns one call as its prior and writes far fewer calls than asked, so
     # examples are resampled to `call_mix` shares of 1, 2, 3 and 4+ calls.
     buckets: list[list[Example]] = [[] for _ in train.call_mix]
     for e in examples:

@@ -1,17 +1,19 @@
 """The methods: each name, the module that builds its decoder, and the rules for combining them.
 
-Adding a method is adding a module here with ``build(ctx, method) -> Decoder`` (the
-interface: ``infer/decoding.py``) and one line in ``FACTORIES``. A decoder that learns
-across requests (``toolspec``'s table and memory, ``suffix``'s response tree) has
-``reset()``, which a launch calls after its warm-up requests.
+Adding a method is adding a proposer (``infer/proposers``) and a module here whose
+``build(ctx, method)`` declares it: a ``Method`` over the one round loop, with the per-request
+``Drafting`` that uses the proposer (``infer/spec/loop.py``), and one line in ``FACTORIES``.
+A method that learns across requests (``toolspec``'s table and memory, ``suffix``'s response
+tree) has ``reset()``, which a launch calls after its warm-up requests.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from infer.decoders import ar, eagle3, ngram, parallel_fill, schemafill, suffix, toolspec, toolspec_lite
-from infer.decoding import Decoder, DecoderContext
+from infer.decoders import ar, eagle3, ngram, parallel_fill, schemafill, suffix, toolspec
+from infer.decoders.context import DecoderContext
+from infer.spec.decoding import Decoder
 from schemafill.config import ABLATIONS
 
 FACTORIES: dict[str, Callable[[DecoderContext, str], Decoder]] = {
@@ -19,7 +21,6 @@ FACTORIES: dict[str, Callable[[DecoderContext, str], Decoder]] = {
     "eagle3": eagle3.build,
     "eagle3_wide": eagle3.build,
     "toolspec": toolspec.build,
-    "toolspec_lite": toolspec_lite.build,
     "ngram": ngram.build,
     "suffix": suffix.build,
     "schemafill": schemafill.build,

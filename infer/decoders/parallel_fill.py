@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from infer.decoding import Decoded, DecoderContext, DecodeOptions
-from infer.session import MainSession
-from infer.side import ordinal_hint
+from infer.decoders.context import DecoderContext
+from infer.spec.decoding import Decoded, DecodeOptions
+from infer.spec.session import MainSession
+from infer.slots.side import ordinal_hint
 from schemafill.generate import generate
 from schemafill.parser import parse_prefix, response_layout
 from schemafill.response_format import JSON, ResponseFormat

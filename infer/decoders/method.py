@@ -1,0 +1,31 @@
+"""A method as a launch holds it: the runtime, the per-request policy its declaration builds,
+and what it keeps across requests. Every method decodes through the one round loop
+(``spec/loop.decode``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from infer.pricing.budget import NodeBudget
+from infer.spec import loop
+from infer.spec.decoding import Decoded, DecodeOptions, Runtime
+from schemafill.toolcall import ToolRequest
+
+
+@dataclass(frozen=True)
+class Method:
+    rt: Runtime
+    drafting: Callable[..., loop.Drafting]  # (request, prompt, **hints) -> this request's policy
+    budget: NodeBudget | None = None  # its pricing, reported in metrics.json
+    memory: Any = None  # what it learns across requests (``reset()``), or None
+
+    def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions(),
+               **hints: Any) -> Decoded:
+        """``hints`` reach the method's policy (SchemaFill's given forecast and values)."""
+        return loop.decode(self.rt, prompt, options, self.drafting(request, prompt, **hints))
+
+    def reset(self) -> None:
+        """Forget what was learnt from earlier requests (a launch's measured pass starts here)."""
+        if self.memory is not None:
+            self.memory.reset()

@@ -1,0 +1,208 @@
+"""What one verification costs on the hardware it runs on: ``c(n)``, the target's forward
+over ``n`` tree rows at a typical context, measured at start-up and cached per host.
+
+On a few-core CPU a row costs milliseconds and ``c(n)`` grows steeply with ``n``; on a GPU a
+forward is bound by streaming the weights and ``c(64)`` is close to ``c(1)``. A fixed node
+budget cannot be right on both, so the decoders choose their nodes against this measured
+curve (``infer/pricing/selection.py``).
+
+How it is measured (``measure``): a random chain of ``n`` rows after ``context`` committed
+positions, for each ``n`` in ``SIZES`` (a tree of ``n`` rows costs what a chain does: the mask
+differs, not the work), logits at every row as a verification computes them; each size is
+warmed up once, then timed ``repeats`` times with the sizes round-robin so that a slow
+moment of the host spreads over all of them rather than landing on one; the median of each
+size is its point. ``CostModel`` reads the points by linear interpolation (extrapolated
+along the last segment), made non-decreasing so noise never makes a bigger tree look
+cheaper: the closest non-decreasing curve (adjacent violators pooled into their mean), so
+one slow sample is averaged with its neighbours instead of lifting every size after it.
+``load_or_measure`` keeps the result in a JSON file keyed by what the time depends on: the
+target's weights, device, dtype, the host's CPU capability, thread count and torch build.
+
+``LiveCost`` corrects that curve with the launch's own verifications. The start-up chains
+are not what a decoder sends: a tree at a longer context, SIDE rows whose private contexts
+sit far past MAIN's (their attention is computed apart), and a host that has warmed up or
+slowed down since the curve was cached. It keeps the mean difference between measured and
+predicted milliseconds per size bucket, apart for calls with SIDE rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from schemafill import atomic
+from schemafill.timing import elapsed_ms
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    sizes: tuple[int, ...]  # rows per forward, increasing
+    ms: tuple[float, ...]  # measured milliseconds of each
+    context: int = 0  # committed positions the rows attended to
+    key: str = ""  # what it was measured on (``host_key``)
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.ms) or not self.sizes:
+            raise ValueError(f"a cost model needs one time per size, got {self.sizes} and {self.ms}")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"sizes must be increasing positive row counts, got {self.sizes}")
+        if any(b < a for a, b in zip(self.ms, self.ms[1:])):  # a bigger forward never costs less
+            raise ValueError(f"a cost curve must not decrease, got {self.ms}: build measured times with CostModel.fit")
+
+    @classmethod
+    def fit(cls, sizes: tuple[int, ...], measured: tuple[float, ...], context: int = 0, key: str = "") -> "CostModel":
+        """The curve through measured times: the closest non-decreasing one (module docstring)."""
+        return cls(tuple(sizes), tuple(round(v, 3) for v in isotonic(measured)), context, key)
+
+    def __call__(self, n: int) -> float:
+        """Milliseconds of one forward over ``n`` rows (n ≥ 1)."""
+        xs, ys = self.sizes, self.ms
+        if len(xs) == 1 or n <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if n <= xs[i]:
+                a, b = xs[i - 1], xs[i]
+                return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - a) / (b - a)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (n - xs[-1])
+
+    def linear_fit(self) -> tuple[float, float]:
+        """Least squares ``c(n) ≈ a + b·n`` (ms, ms per row): the one-line summary a report prints."""
+        n, xs, ys = len(self.sizes), self.sizes, self.ms
+        if n == 1:
+            return ys[0], 0.0
+        mx, my = sum(xs) / n, sum(ys) / n
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return my - b * mx, b
+
+    def summary(self) -> dict:
+        a, b = self.linear_fit()
+        return {**asdict(self), "fit_ms": round(a, 3), "fit_ms_per_row": round(b, 4),
+                "ratio_64_to_1": round(self(64) / self(1), 3)}
+
+
+def size_bucket(n: int) -> int:
+    """The calls a measured time is pooled with: up to 8 rows each size alone (a CPU's matrix
+    kernels change at small sizes, so 4 rows may cost far more than 3), then powers of two."""
+    return n if n <= 8 else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class LiveCost:
+    """The start-up curve plus what this launch's verifications measured: per size bucket, and
+    apart for calls with and without SIDE rows, the mean difference between the time a call
+    took and the curve's, shrunk toward 0 by ``strength`` pseudo-observations. One slow call
+    (a page fault, the host's other work) moves its bucket by at most the curve's own value."""
+
+    base: CostModel
+    learn: bool = True  # False: the curve alone (selection that never depends on timing)
+    strength: float = 4.0
+    residual: dict[tuple[int, bool], float] = field(default_factory=dict)  # summed (measured - curve) ms
+    calls: dict[tuple[int, bool], int] = field(default_factory=dict)
+    per_row: float = field(init=False)  # the curve's ms per row (its linear fit's slope)
+
+    def __post_init__(self) -> None:
+        self.per_row = self.base.linear_fit()[1]
+
+    def __call__(self, n: int, side: bool = False) -> float:
+        """Milliseconds of a call of ``n`` rows, ``side``: some of them SIDE rows."""
+        key = (size_bucket(n), side)
+        return self.base(n) + self.residual.get(key, 0.0) / (self.calls.get(key, 0) + self.strength)
+
+    def observe(self, rows: int, side: bool, ms: float) -> None:
+        """A verification of ``rows`` rows took ``ms``."""
+        if not self.learn:
+            return
+        key, base = (size_bucket(rows), side), self.base(rows)
+        self.residual[key] = self.residual.get(key, 0.0) + min(max(ms - base, -0.5 * base), base)
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def summary(self) -> dict:
+        """The curve, and per bucket seen, the calls and their mean correction (ms)."""
+        return {**self.base.summary(), "measured": {f"{n}{'+side' if side else ''}": {
+            "calls": c, "ms": round(self(n, side), 2), "correction_ms": round(self.residual[(n, side)] / c, 2)}
+            for (n, side), c in sorted(self.calls.items())}}
+
+
+def isotonic(values: tuple[float, ...] | list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in squared error (pool adjacent
+    violators: a run that decreases is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """What a forward's time depends on, as one string: the target's shape and a sample of its
+    weights, the device, dtype, the CPU capability ATen dispatches to, and the thread count."""
+    c = target.config
+    w = target.lm_head.weight
+    probe = w.detach().flatten()[:: max(1, w.numel() // 4096)].float().cpu().numpy().tobytes()
+    weights = hashlib.sha256(probe).hexdigest()[:12]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return (f"{c.family}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}-{weights}|{device.type}{gpu}|"
+            f"{str(dtype).removeprefix('torch.')}|{torch.backends.cpu.get_cpu_capability()}|"
+            f"threads{torch.get_num_threads()}|torch{torch.__version__}")
+
+
+@torch.inference_mode()
+def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> CostModel:
+    """Time the target on a chain of ``n`` rows after ``context`` committed positions (a tree
+    of n rows costs what a chain does: the mask differs, not the work), logits at every row as
+    a verification computes them. Median of ``repeats`` rounds over every size, after one
+    warm-up of each."""
+    dev = target.device
+    g = torch.Generator().manual_seed(0)
+    width = context + max(sizes)
+    arena = target.new_arena(1, width)
+    tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g).to(dev)
+    positions = torch.arange(width, device=dev)[None]
+    causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None]
+    target(tokens[:, :context], positions[:, :context], causal[:, :context, :context], positions[:, :context], arena,
+           logits_at=torch.tensor([[context - 1]], device=dev))
+    calls = []
+    for n in sizes:
+        sl = slice(context, context + n)
+        calls.append((tokens[:, sl], positions[:, sl], causal[:, sl, : context + n], positions[:, sl], arena))
+        target(*calls[-1])
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for i, args in enumerate(calls):  # round-robin over sizes: a host that drifts shifts them alike
+            times[i].append(elapsed_ms(lambda: target(*args), dev))
+    return CostModel.fit(tuple(sizes), tuple(statistics.median(t) for t in times), context)
+
+
+def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, context: int = 512,
+                    sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> tuple[CostModel, bool]:
+    """The cached curve for this (target, device, dtype, host), measuring it on a miss.
+    Returns (model, measured_now)."""
+    key = host_key(target, target.device, target.dtype)
+    path = Path(cache_dir) / f"{hashlib.sha256(f'{key}|{context}|{sizes}'.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                return CostModel(tuple(saved["sizes"]), tuple(saved["ms"]), saved["context"], key), False
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            pass  # a damaged cache entry is measured again and overwritten
+    model = measure(target, context, sizes, repeats)
+    model = dataclasses.replace(model, key=key)
+    try:
+        atomic.write_json(path, model.summary())
+    except OSError as err:  # a read-only home still decodes; it measures again next launch
+        print(f"[infer] could not cache the cost curve at {path}: {err}")
+    return model, True

@@ -1,0 +1,278 @@
+"""EAGLE-3 drafting: the head's own KV and its dynamic draft tree (EAGLE-2's expansion).
+
+Per round, first the head catches up on the positions the target committed since the last
+round, with the target's real features (training step 0): for each new position p the
+pair (token p+1, ``fc(aux[p])``) at position p, written to head slot p. The last one
+predicts the first draft level. Then the tree grows ``depth - 1`` levels: the ``topk``
+most probable frontier nodes (by cumulative log-probability) are fed back with their
+parent's output hidden state (training steps k > 0), each seeing the committed head KV and
+its own ancestors only, and each proposes ``topk`` children. Finally the ``total`` best
+nodes overall become the draft; cumulative scores never grow along a path, so that set is
+closed under ancestors.
+
+A level past the first costs a head forward of host time every round. Given a ``price``
+(the decoder's cost-aware ``NodeBudget``), the tree stops growing when the next level's gain
+— at most the frontier's chances to be accepted, by the measured acceptance of drafts the
+head gives such probabilities — is not worth the milliseconds a level takes here (measured,
+a running mean per drafter): on a 2-core CPU the deeper levels of the built-in head rarely
+pay, on a GPU they are nearly free.
+
+The same price decides whether the head drafts at all in a round: its catch-up and first
+level cost a head forward of milliseconds, and a head whose drafts the target rarely takes
+(measured: the head's tokens on the accepted path per round it drafted) is skipped while
+those tokens are worth less than its time, drafting one round in ``SKIP_AT_MOST + 1`` to
+keep measuring (never the first round of a request: SIDE drafts read the prompt's head
+entries its first catch-up writes). A skipped round's target features wait for the next
+catch-up, so the head's KV is the same whenever it drafts.
+
+Scratch head slots start right after the committed ones and are overwritten by the next
+catch-up; nothing drafted ever enters the committed head KV.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from infer.pricing.acceptance import head_source
+from infer.spec.candidates import Candidates
+from infer.spec.session import MainSession
+from infer.spec.tree import ROOT
+from schemafill.config import DecodeConfig
+from schemafill.drafter import Eagle3Head, load_head
+from schemafill.runtime import Target, causal_visibility, rope_tables
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    topk: int  # children per expanded node, and frontier width
+    depth: int  # levels of the draft tree
+    total: int  # draft nodes sent to verification
+
+    def __post_init__(self) -> None:
+        if min(self.topk, self.depth, self.total) < 1:
+            raise ValueError(f"tree budget must be positive, got {self}")
+
+    @classmethod
+    def of(cls, decode: DecodeConfig) -> "TreeBudget":
+        """The MAIN tree budget of a ``DecodeConfig``."""
+        return cls(decode.topk, decode.depth, decode.total_tokens)
+
+
+LEVEL_EMA = 0.2  # weight of the newest level in the running mean of a level's milliseconds
+SKIP_AT_MOST = 7  # rounds a head not worth its time skips before it drafts again (to keep measuring)
+
+
+class LevelPrice(Protocol):
+    def draft_rate(self, q: float) -> float:
+        """How often a draft the head gives probability ``q`` (given its parent) is accepted."""
+
+    def level_worth(self, gain: float, ms: float) -> bool:
+        """Is a level adding at most ``gain`` expected tokens worth ``ms`` of host time?"""
+
+    def head_worth(self, ms: float) -> bool:
+        """Is drafting this round (``ms`` of head time) worth what the head's drafts bring?"""
+
+    def head_drafted(self) -> None:
+        """The head drafts this round (its accepted tokens are measured when it is verified)."""
+
+
+# the paper's SchemaFill budget, and EAGLE's own defaults
+SCHEMAFILL_BUDGET = TreeBudget(topk=3, depth=2, total=8)  # the paper's: 8 draft tokens, top-k 3
+EAGLE_DEFAULTS = TreeBudget(topk=10, depth=5, total=60)  # EAGLE's published defaults
+
+
+class HeadDrafter:
+    def __init__(self, head: Eagle3Head, budget: TreeBudget, price: LevelPrice | None = None) -> None:
+        self.head, self.budget, self.price = head, budget, price  # price None: every level is drafted
+        self.device = head.fc.weight.device
+        self.draft_to_target = head.draft_to_target.tolist()
+        self.arena = None
+        self.done = 0  # head KV holds positions [0, done)
+        self.level_ms = 0.0  # running mean of one level past the first (0: not measured yet)
+        self.round_ms = 0.0  # running mean of a round's drafting (catch-up and levels)
+        self.skipped = 0  # rounds skipped in a row
+        self.waiting: list[torch.Tensor] = []  # target features of skipped rounds, for the next catch-up
+        self.forwards, self.ms = 0, 0.0  # this request's head forwards and their milliseconds (with the logits)
+
+    def begin(self, capacity: int, arena_slots: int = 0) -> None:
+        """A new request: at most ``capacity`` committed positions; ``arena_slots``: at least
+        this many head slots (SIDE contexts keep their head KV at their target slots)."""
+        b = self.budget
+        self.arena = self.head.new_arena(max(capacity + b.topk * max(b.depth - 1, 0) + 1, arena_slots))
+        self.done, self.skipped, self.waiting = 0, 0, []
+        self.forwards, self.ms = 0, 0.0
+
+    @torch.inference_mode()
+    def entries(self, tokens: list[int], aux: list[torch.Tensor], positions: list[int], slots: list[int],
+                visible: list[list[int]], want: list[int]) -> list[int]:
+        """Head KV for contexts other than MAIN's (SIDE branches), in one forward: entry i is
+        the training pair (``tokens[i]``, fc(``aux[i]``)) at ``positions[i]``, written to head
+        slot ``slots[i]`` and seeing the head slots ``visible[i]``. Returns the output hidden
+        states [len(want), H] of the entries listed in ``want`` (``top1`` turns them into drafts)."""
+        head, dev = self.head, self.device
+        started = time.perf_counter()
+        span = max(max(v) for v in visible) + 1
+        vis = torch.zeros(1, len(tokens), span, dtype=torch.bool, device=dev)  # [1, N, S]
+        for i, v in enumerate(visible):
+            vis[0, i, v] = True
+        hidden = head.fc(torch.stack(aux).to(head.fc.weight.dtype))[None]  # [1, N, H]
+        out = head.decode_step(torch.tensor(tokens, device=dev)[None], hidden, torch.tensor(positions, device=dev)[None],
+                               vis, torch.tensor(slots, device=dev)[None], self.arena)  # [1, N, H]
+        self._count(1, started)
+        return out[0, want]
+
+    @torch.inference_mode()
+    def top1(self, outs: torch.Tensor) -> list[int]:
+        """[N, H] head outputs -> the most probable next token (a target id) after each."""
+        started = time.perf_counter()
+        drafts = [self.draft_to_target[d] for d in self.head.logits(outs).argmax(-1).tolist()]
+        self._count(0, started)
+        return drafts
+
+    def _count(self, forwards: int, started: float) -> None:
+        self.forwards += forwards
+        self.ms += 1e3 * (time.perf_counter() - started)
+
+    # ---- as a round loop's proposer (``spec/loop.Proposer``): the tree after MAIN's committed text
+    def start(self, s: MainSession) -> None:
+        self.begin(s.layout.positions)
+
+    def propose(self, s: MainSession) -> Candidates:
+        return self.candidates(s.tokens, s.new_aux)
+
+    def finish(self, s: MainSession) -> dict:
+        return {"head_forwards": self.forwards, "head_ms": round(self.ms, 3)}
+
+    def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None) -> Candidates:
+        """The draft tree, each node tagged with the bucket of the head's own probability for it
+        (given its parent): what cost-aware selection reads as its acceptance estimate."""
+        price = self.price
+        if price is not None and self.done and self.skipped < SKIP_AT_MOST and self.round_ms \
+                and not price.head_worth(self.round_ms):
+            self.waiting.append(new_aux)
+            self.skipped += 1
+            return Candidates()
+        if self.waiting:
+            new_aux = torch.cat([*self.waiting, new_aux])
+        self.skipped, self.waiting = 0, []
+        before = self.ms
+        tree, parents, q = self.scored(tokens, new_aux, depth)
+        ms = self.ms - before
+        self.round_ms = ms if not self.round_ms else (1 - LEVEL_EMA) * self.round_ms + LEVEL_EMA * ms
+        if price is not None:
+            price.head_drafted()
+        return Candidates(tree, parents, [head_source(x) for x in q])
+
+    @torch.inference_mode()
+    def scored(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None
+               ) -> tuple[list[int], list[int], list[float]]:
+        """tokens: prompt + committed (the last ones pending: their target features do not
+        exist yet); new_aux: [M, 3H] target features of the M newest positions that have them
+        (those the head has not seen). The tree hangs off the last pending token, ``depth``
+        levels deep (default: the budget's; each level past the first is a head forward),
+        fewer when the drafter's price says a level is not worth its time (module docstring).
+        Returns the tree and the head's probability of each node given its parent."""
+        head, dev, b, price = self.head, self.device, self.budget, self.price
+        drafting = time.perf_counter()
+        h, m = self.done, new_aux.shape[0]
+        n = h + m  # positions with target features; the first pending token sits at position n
+        if not n < len(tokens):
+            raise ValueError(f"features for {n} positions but only {len(tokens) - 1} committed tokens")
+        pos = torch.arange(h, n, device=dev)[None]  # [1, M]
+        visible = causal_visibility(pos, n)  # [1, M, n]
+        hidden = head.fc(new_aux.to(head.fc.weight.dtype))[None]  # [1, M, H]
+        out = head.decode_step(torch.tensor(tokens[h + 1:n + 1], device=dev)[None], hidden, pos, visible, pos,
+                               self.arena)
+        self.done = n
+        forwards = 1  # the catch-up, then one per forced token and per level
+        root_out = out[0, -1]  # [H]
+        # pending tokens the grammar forced have no target features: the head reads them the
+        # way it reads its own drafts (its previous output as the feature), in scratch slots
+        # the next catch-up overwrites
+        for q in range(n, len(tokens) - 1):
+            step = torch.tensor([[q]], device=dev)
+            root_out = head.decode_step(torch.tensor([[tokens[q + 1]]], device=dev), root_out[None, None], step,
+                                        causal_visibility(step, q + 1), step, self.arena)[0, -1]
+            forwards += 1
+        n = len(tokens) - 1  # the tree's root: the last pending token
+
+        # candidates: token, parent, cumulative log-prob, chance to be accepted (with a price);
+        # fed nodes get a scratch slot and an output
+        tok, parent, score, chance = [], [], [], []
+        fed_slot: dict[int, int] = {}
+        out_of: dict[int, torch.Tensor] = {}  # node -> its output hidden once fed
+
+        def expand(parents_: list[int], outs: torch.Tensor, base: list[float]) -> list[int]:
+            logp = torch.log_softmax(head.logits(outs).float(), dim=-1)  # [F, Vd]
+            top = logp.topk(min(b.topk, logp.shape[-1]), dim=-1)
+            new = []
+            for f, p in enumerate(parents_):
+                for lp, d in zip(top.values[f].tolist(), top.indices[f].tolist()):
+                    new.append(len(tok))
+                    tok.append(self.draft_to_target[d])
+                    parent.append(p)
+                    score.append(base[f] + lp)
+                    if price is not None:
+                        chance.append(price.draft_rate(math.exp(lp)) * (1.0 if p == ROOT else chance[p]))
+            return new
+
+        frontier = expand([ROOT], root_out[None], [0.0])
+        slot = n + 1
+        for d in range(1, b.depth if depth is None else min(depth, b.depth)):
+            f_nodes = sorted(frontier, key=lambda i: (-score[i], i))[: b.topk]
+            if price is not None and self.level_ms and not price.level_worth(sum(chance[i] for i in f_nodes),
+                                                                             self.level_ms):
+                break
+            started = time.perf_counter()
+            span = slot + len(f_nodes)
+            visible = torch.zeros(1, len(f_nodes), span, dtype=torch.bool, device=dev)
+            visible[..., :n] = True
+            for j, i in enumerate(f_nodes):
+                fed_slot[i] = slot + j
+                a = i
+                while a != ROOT:
+                    visible[0, j, fed_slot[a]] = True
+                    a = parent[a]
+            ins = torch.stack([root_out if parent[i] == ROOT else out_of[parent[i]] for i in f_nodes])[None]
+            outs = head.decode_step(torch.tensor([tok[i] for i in f_nodes], device=dev)[None], ins,
+                                    torch.full((1, len(f_nodes)), n - 1 + d, device=dev), visible,
+                                    torch.arange(slot, span, device=dev)[None], self.arena)[0]  # [F, H]
+            for j, i in enumerate(f_nodes):
+                out_of[i] = outs[j]
+            slot = span
+            forwards += 1
+            frontier = expand(f_nodes, outs, [score[i] for i in f_nodes])
+            ms = 1e3 * (time.perf_counter() - started)
+            self.level_ms = ms if not self.level_ms else (1 - LEVEL_EMA) * self.level_ms + LEVEL_EMA * ms
+
+        self._count(forwards, drafting)
+        chosen: set[int] = set()
+        for i in sorted(range(len(tok)), key=lambda i: (-score[i], i)):
+            if len(chosen) == b.total:
+                break
+            if parent[i] == ROOT or parent[i] in chosen:
+                chosen.add(i)
+        keep = sorted(chosen)  # creation order is topological
+        index = {i: j for j, i in enumerate(keep)}
+        q = [math.exp(score[i] - (0.0 if parent[i] == ROOT else score[parent[i]])) for i in keep]
+        return [tok[i] for i in keep], [ROOT if parent[i] == ROOT else index[parent[i]] for i in keep], q
+
+
+def load_runtime_head(folder: str | Path, target: Target) -> Eagle3Head:
+    """An exported head, attached to the runtime target's embeddings and rotary tables."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no EAGLE-3 head at {folder}: train one with `python train/run.py "
+                                f"stages=[continuations,head]` or pass head=<folder>")
+    head = load_head(folder, target.model.embed_tokens, *rope_tables(target.hf_config))
+    want = list(target.config.aux_layer_ids)
+    if list(head.config.aux_layer_ids) != want:
+        raise ValueError(f"head at {folder} reads target layers {head.config.aux_layer_ids}, "
+                         f"the runtime gives {want}: set model.aux_layer_ids to match")
+    return head.to(device=target.device, dtype=target.dtype).eval()

@@ -1,0 +1,239 @@
+"""The packer (paper §4.2 "Cross-call packing", DESIGN §4.4): the text MAIN is predicted to
+write next, chaining structural bridges and prepared values across fields and calls.
+
+Pure (standard library only). Given MAIN's committed response text and its parse state,
+the call plans (one tool per call position, from the forecast, rebound to what MAIN
+realized) and the prepared values, it builds the canonical serialization the target was
+asked for, in its response format (``schemafill.response_format``)::
+
+    {"tool_calls": [{"name": "t", "arguments": {"k": v, ...}}, ...]}    # json
+    <tool_call>\n{"name": "t", "arguments": {...}}\n</tool_call>\n...     # hermes
+    <tool_call>\n{"arguments": {...}, "name": "t"}\n</tool_call>\n...     # hermes3
+
+from the start of the current call — realized name and realized values as MAIN wrote
+them, then predicted keys with prepared values — and proposes whatever of it extends the
+committed text, up to the first value nobody has prepared. If MAIN deviated from the
+canonical layout (other spacing, an unforeseen key), nothing is proposed: the drafter's
+own tree still runs, and the target decides every token either way.
+
+Decisions: a partially written key is completed with the first predicted key, then any
+schema key, that starts with it; after the last predicted call the list is closed; with
+``cross_calls`` off (ablation C) the proposal stops at the end of the current call. In a
+format that writes a call's name after its arguments (``hermes3``) the call is the plan's
+tool until its name is written (``align.rebind_by_keys`` keeps that plan in line with the
+keys MAIN writes), and once MAIN closes the arguments before the predicted keys ran out,
+the call goes on from its realized fields to the name (name-first formats keep proposing
+nothing there, as before).
+Beyond the paper, a value still being prepared may be given as ``provisional`` text, keyed
+by (call, key) (what its SIDE branch has so far): the proposal then runs through it and stops there, so MAIN
+can catch up with a long value its branch started rounds earlier instead of re-drafting
+it with the head alone.
+Beyond the paper, ``close`` guesses where an open value ends: a provisional value, and the value
+MAIN is writing when nothing prepared matches it, are closed right where their text stops (a
+string's quote; a number's next structural character) and the proposal goes on with the
+structure and values after them. Where a value ends is the one thing the structure cannot
+know, and without the guess the round that writes a value's last token stops there and the
+next round's correction is only the closing character; the chain after it waits a round more.
+The closing character is tagged ``close_string`` / ``close_number`` so its acceptance is
+learnt apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemafill.parser import ParseState
+from schemafill.response_format import FIELD_BRIDGE, JSON, ResponseFormat, dumps
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    tool: str
+    keys: tuple[str, ...]  # keys predicted to be written, in order
+    schema_keys: tuple[str, ...] = ()  # every key of the tool's schema, in order
+    values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
+
+
+# what each piece of a proposal is, for the acceptance estimates (infer/pricing/acceptance.py)
+BRIDGE, VALUE, PROVISIONAL = "bridge", "value", "provisional"
+CLOSE_STRING, CLOSE_NUMBER = "close_string", "close_number"  # the guessed end of an open value
+CLOSES = (CLOSE_STRING, CLOSE_NUMBER)
+# where a call ends, another may follow (NEXT: the bridge to it) or the response may end (END:
+# the closing after the last call): structure, but the one choice in it the plans may get wrong
+NEXT, END = "next", "end"
+STRUCTURE = (BRIDGE, NEXT, END) + CLOSES  # what the packer writes itself: no SIDE branch needed
+Piece = tuple[str | None, str]  # (text, kind); text None where a value is unknown
+
+
+def closing(literal: str) -> Piece | None:
+    """How the open value ``literal`` would end right here: a string's quote, a number's
+    nothing (the structure after it ends it); None where it cannot end yet (an empty string,
+    a pending escape, a number's sign, point or exponent) or is no string or number."""
+    if literal.startswith('"'):
+        backslashes = len(literal) - len(literal.rstrip("\\"))
+        return ('"', CLOSE_STRING) if len(literal) > 1 and backslashes % 2 == 0 else None
+    if literal[:1] in tuple("-0123456789") and literal[-1] not in "+-.eE":
+        return "", CLOSE_NUMBER
+    return None
+
+
+def _call_pieces(fmt: ResponseFormat, tool: str, fields: list[tuple[str, str | None]],
+                 provisional: dict[str, str] | None = None, close: bool = False) -> list[Piece]:
+    """Text pieces of one call in ``fmt``'s key order (its name before or after its
+    arguments); None where a value is unknown (the proposal stops there, after the value's
+    provisional prefix if it has one, or, with ``close``, goes on as if the value ended there)."""
+    out: list[Piece] = [(fmt.call_header(tool), BRIDGE)]
+    for i, (key, value) in enumerate(fields):
+        out.append(((FIELD_BRIDGE if i else "") + dumps(key) + ": ", BRIDGE))
+        if value is None and provisional and key in provisional:
+            out.append((provisional[key], PROVISIONAL))
+            end = closing(provisional[key]) if close else None
+            if end is not None:
+                out.append(end)
+                continue
+        out.append((value, VALUE))
+    out.append((fmt.call_close(tool), BRIDGE))
+    return out
+
+
+def _plan_pieces(fmt: ResponseFormat, plan: CallPlan, provisional: dict[str, str] | None,
+                 close: bool = False) -> list[Piece]:
+    return _call_pieces(fmt, plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional, close)
+
+
+def _join(pieces: list[Piece]) -> tuple[str, list[str]]:
+    """The text up to the first unknown piece, and the kind of each of its characters (an
+    empty closing piece — a number's end — tags the character after it)."""
+    text: list[str] = []
+    kinds: list[str] = []
+    carry = None
+    for p, kind in pieces:
+        if p is None:
+            break
+        if kind in CLOSES and not p:
+            carry = kind
+            continue
+        text.append(p)
+        kinds += [kind] * len(p)
+        if carry and p:
+            kinds[len(kinds) - len(p)] = carry
+            carry = None
+    return "".join(text), kinds
+
+
+def _realized(text: str, state: ParseState) -> list[tuple[str, str]]:
+    return [(key, text[a:b]) for key, a, b in state.spans]
+
+
+def _current_fields(text: str, state: ParseState, plan: CallPlan) -> list[tuple[str, str | None]] | None:
+    """Realized fields, then the one being written, then the predicted rest; None when MAIN's
+    partial key matches no key of the tool."""
+    fields: list[tuple[str, str | None]] = list(_realized(text, state))
+    done = {k for k, _ in fields}
+    if state.in_key:
+        partial = text[text.rfind('"') + 1:]
+        pool = [k for k in plan.keys if k not in done] + [k for k in plan.schema_keys if k not in done]
+        key = next((k for k in pool if k.startswith(partial)), None)
+        if key is None:
+            return None
+        fields.append((key, plan.values.get(key)))
+        done.add(key)
+    elif state.field is not None and state.field not in done:  # key closed, value open or not started
+        partial = text[state.value_start:] if state.in_value else ""
+        value = plan.values.get(state.field)
+        fields.append((state.field, value if value is not None and value.startswith(partial) else None))
+        done.add(state.field)
+    fields += [(k, plan.values.get(k)) for k in plan.keys if k not in done]
+    return fields
+
+
+def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
+            provisional: dict[tuple[int, str], str] | None = None, fmt: ResponseFormat = JSON,
+            close: bool = False) -> str:
+    """The predicted continuation of MAIN's committed ``text`` (empty when there is none)."""
+    return propose_tagged(text, state, plans, cross_calls, provisional, fmt, close)[0]
+
+
+def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
+                   provisional: dict[tuple[int, str], str] | None = None, fmt: ResponseFormat = JSON,
+                   close: bool = False) -> tuple[str, list[str]]:
+    """``propose``, with the kind of each character: a structural bridge (call header, keys,
+    separators, closings), a prepared value, a provisional value still being prepared, or
+    (``close``) the guessed end of an open value."""
+    ahead: dict[int, dict[str, str]] = {}  # call -> key -> unclosed value prefix
+    for (j, key), prefix in (provisional or {}).items():
+        ahead.setdefault(j, {})[key] = prefix
+    if state.closed or state.error is not None:
+        return "", []
+    if state.call_index is not None:  # inside call j: rebuild it from its "{"
+        j = state.call_index
+        plan = plans[j] if j < len(plans) else None
+        tool = state.tool_name or (plan.tool if plan else None)
+        if tool is None or plan is None or plan.tool != tool:
+            return "", []  # the caller rebinds plans to realized tools before asking
+        fields = _current_fields(text, state, plan)
+        if fields is None:
+            return "", []
+        if close and state.in_value and state.field is not None and dict(fields).get(state.field) is None:
+            # nothing prepared matches the value MAIN is writing: unless a provisional value
+            # runs on from it, guess that MAIN's own ends here
+            partial = text[state.value_start:]
+            if not ahead.get(j, {}).get(state.field, "").startswith(partial):
+                ahead.setdefault(j, {})[state.field] = partial
+        # a provisional value MAIN has already run past proposes nothing (no prefix match)
+        base, nxt = text[:state.call_start], j + 1
+        found = _extend(text, base, _call_pieces(fmt, tool, fields, ahead.get(j), close), nxt, plans, ahead,
+                        cross_calls, fmt, close)
+        if found is None:
+            # MAIN closed (or is closing) the arguments before the predicted keys: its
+            # realized fields, then the call's close (args-first formats: the name) and what follows
+            realized = list(_realized(text, state))
+            if realized != fields:
+                found = _extend(text, base, _call_pieces(fmt, tool, realized, ahead.get(j), close), nxt, plans,
+                                ahead, cross_calls, fmt, close)
+        return found or ("", [])
+    if state.calls_started:  # between calls: after the "}" of the last one
+        base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
+    else:  # no call yet
+        base, pieces, nxt = "", [(fmt.header, BRIDGE)], 0
+        if nxt < len(plans):
+            pieces += _plan_pieces(fmt, plans[0], ahead.get(0), close)
+            nxt = 1
+    return _extend(text, base, pieces, nxt, plans, ahead, cross_calls, fmt, close) or ("", [])
+
+
+def _extend(text: str, base: str, pieces: list[Piece], nxt: int, plans: list[CallPlan],
+            ahead: dict[int, dict[str, str]], cross_calls: bool, fmt: ResponseFormat, close: bool = False
+            ) -> tuple[str, list[str]] | None:
+    """``base`` + ``pieces`` (then, across calls, the plans from ``nxt`` on and the closing)
+    past ``text``, with each character's kind; None when that text does not extend ``text``."""
+    if cross_calls or not pieces or pieces == [(fmt.header, BRIDGE)]:
+        pieces = list(pieces)
+        for j in range(nxt, len(plans)):
+            pieces += [(fmt.call_bridge, NEXT)] + _plan_pieces(fmt, plans[j], ahead.get(j), close)
+        pieces.append((fmt.close, END if nxt else BRIDGE))
+    joined, kinds = _join(pieces)
+    predicted = base + joined
+    if not predicted.startswith(text):
+        return None
+    kinds = [BRIDGE] * len(base) + kinds
+    return predicted[len(text):], kinds[len(text):]
+
+
+def token_kinds(tokenizer: Any, committed: list[int], text: str, suffix: str, kinds: list[str],
+                ids: list[int], fmt: ResponseFormat = JSON) -> list[str]:
+    """The kind of each token of ``ids`` (``continuation_ids`` of ``suffix``): the riskiest kind
+    among the characters it covers (provisional over value over bridge)."""
+    rank = {BRIDGE: 0, NEXT: 1, END: 1, VALUE: 2, PROVISIONAL: 3, CLOSE_STRING: 4, CLOSE_NUMBER: 4}
+    # character offsets from a short tail of the committed tokens: decoding the whole response
+    # per token would cost more than the tags are worth (a tag only steers the estimates)
+    tail = committed[-4:]
+    start = len(fmt.decode(tokenizer, tail))
+    out, done = [], 0
+    for j in range(len(ids)):
+        end = len(fmt.decode(tokenizer, tail + ids[: j + 1])) - start
+        span = kinds[max(done, 0):max(end, done + 1)] or kinds[-1:] or [BRIDGE]
+        out.append(max(span, key=rank.__getitem__))
+        done = end
+    return out

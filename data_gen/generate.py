@@ -36,11 +36,11 @@ from tqdm.auto import tqdm
 from schemafill import atomic
 from schemafill.compose import compositions
 from schemafill.config import PipelineConfig, to_dict
-from schemafill.device import resolve_device, resolve_dtype
+from schemafill.device import resolve_device
 from schemafill.feature_cache import FEATURES, FeatureCache, RowFeatures
 from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
 from schemafill.generate import generate
-from schemafill.models import generation_eos, load_runtime, load_tokenizer, target_location
+from schemafill.models import decode_choice, generation_eos, load_runtime, load_tokenizer, target_location
 from schemafill.prompt import model_prompt_ids
 from schemafill.records import read_requests
 from schemafill.response_format import JSON, ResponseFormat
@@ -149,7 +149,7 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     target_fp = (read_manifest(location) or {}).get("fingerprint", location)
     m = cfg.model
     device = resolve_device() if state.device.type == "cpu" else state.device
-    dtype = resolve_dtype(m.dtype, device)
+    dtype, precision = decode_choice(m, location, device, verifies=False)
     model_key = {"source": location, "revision": m.revision, "dtype": str(dtype),
                  "prompt_style": m.prompt_style, "chat": m.chat_template_kwargs, "max_context": m.max_context}
     if cfg.data.continuations.features:
@@ -161,6 +161,8 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     if (stats := load_if_fresh("continuations", out, fp, outputs, "stats.json", lambda s: f"{s['rows']} rows",
                                quiet=not state.is_main_process)) is not None:
         return {**stats, "cached": True}
+    if state.is_main_process:
+        print(f"[continuations] precision: {str(dtype).removeprefix('torch.')} ({precision['why']})")
 
     work = out.parent / f".{out.name}.shards" / fp  # keyed by fingerprint: a changed input never mixes in
     work.mkdir(parents=True, exist_ok=True)
@@ -197,7 +199,7 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     print(f"[continuations] wrote {out}: {json.dumps({k: stats[k] for k in ('rows', 'valid_json_rate', 'tokens_per_s', 'empty_rate', 'composed_share')})}")
     if tracker is not None:
         tracker.summary({f"continuations/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
-    return {**stats, "cached": False}
+    return {**stats, "precision": precision, "cached": False}
 
 
 def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: str, reused: int,

@@ -25,7 +25,9 @@ class ModelConfig:
     source: str = MISSING  # hub id or local path; for a PyPI-shipped GGUF, the package name
     gguf_file: str | None = None  # GGUF file inside `source` (built-in target only)
     revision: str | None = None
-    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float16
+    # auto: bf16 on CUDA; on a CPU a timed probe picks for data generation, fp32 verifies drafts;
+    # or float32 / bfloat16 / float16 everywhere
+    dtype: str = "auto"
     # EAGLE-3 inputs: HF `hidden_states[i]`, i.e. the *input* of decoder layer i (SGLang counts one lower)
     aux_layer_ids: list[int] = MISSING
     # plain | chat (our instructions in the target's chat template) | tools (the catalog as tools= to
@@ -211,8 +213,8 @@ class TargetTrainConfig:
     # count this many times in the loss: the target's failures are loops there (docs/builtin-target.md:
     # weighting them did not help the built-in target)
     decision_weight: float = 1.0
-    # bf16 autocast on CPU: auto = only where the host computes bf16 natively (AVX512-BF16 or
-    # AMX; emulated bf16 is ~30x slower than fp32), true / false force it. CUDA always uses bf16.
+    # bf16 autocast on CPU: auto = where a timed probe of the fine-tune's shapes finds it faster
+    # than fp32 (schemafill/precision.py), true / false force it. CUDA always uses bf16.
     bf16_autocast_cpu: str = "auto"
     checkpoint_minutes: float = 2.0  # resumable fine-tune state every this many minutes, and at the end
     quality_requests: int = 90  # BFCL450 requests (stratified by category) decoded for quality.json; 0 = all
@@ -242,6 +244,8 @@ class HeadTrainConfig:
     save_every: int = 500  # optimizer steps between resumable checkpoints
     heldout_fraction: float = 0.05
     feature_cache: bool = False  # run the target once and train every epoch on stored features
+    # on a CPU: auto = bf16 autocast where the train probe finds it faster (schemafill/precision.py)
+    bf16_autocast_cpu: str = "auto"
 
 
 @dataclass

@@ -25,12 +25,28 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that can compute a few rows as ``(W @ xᵀ)ᵀ``. On some CPUs the BLAS runs a
+    2-16-row product through a kernel that costs far more than one row's (a verification of
+    four tokens then costs 1.5 AR steps); the transposed product streams the weights once.
+    ``few_rows`` (0: never) is set from a timed probe (``schemafill.runtime.tune_few_rows``)."""
+
+    few_rows = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., In] -> [..., Out]
+        rows = x.numel() // x.shape[-1]
+        if 1 < rows <= self.few_rows:
+            y = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

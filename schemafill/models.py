@@ -4,6 +4,7 @@ stage has made it; every other target is a hub id or a local folder."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +107,34 @@ def load_runtime(source: str, dtype: torch.dtype, device: torch.device, aux_laye
     return load_target(local_folder(source, revision), dtype, device, aux_layer_ids)
 
 
+def decode_choice(model: ModelConfig, location: str, device: torch.device, verifies: bool) -> tuple[torch.dtype, dict]:
+    """The dtype ``model`` runs forward in on ``device``, and why (a stage records it): ``model.dtype``,
+    where ``auto`` on a CPU is measured at the target's own shapes (``schemafill/precision.py``).
+
+    Work that ``verifies`` drafts stays in fp32 under ``auto`` on a CPU: a verification computes
+    n rows where AR computes one, and in bf16 the two round differently often enough that
+    speculative tokens stop equalling AR's (docs/builtin-target.md, "Precision"). Generating
+    training data verifies nothing, so it takes the probe's choice; ``model.dtype=bfloat16``
+    forces bf16 everywhere."""
+    from schemafill.device import decode_precision, resolve_dtype
+
+    if model.dtype == "auto" and device.type == "cpu":
+        probed = decode_precision(device, load_config(location, model.revision))
+        if verifies and probed.bf16:
+            kept = dataclasses.replace(probed, bf16=False, why=f"fp32 for lossless verification, though the {probed.why}")
+            return kept.dtype, kept.summary()
+        return probed.dtype, probed.summary()
+    dtype = resolve_dtype(model.dtype, device)
+    return dtype, {"bf16": dtype == torch.bfloat16, "why": f"model.dtype={model.dtype} on {device.type}"}
+
+
 def load_launch_target(model: ModelConfig, artifacts: str | Path, device: torch.device) -> tuple[Any, Any, frozenset[int]]:
     """What a decoding launch (``infer/run.py``, ``infer/serve.py``) runs on: the target on the
     inference runtime, its tokenizer and its stop tokens."""
-    from schemafill.device import resolve_dtype
-
     location = target_location(model, artifacts)
     tokenizer = load_tokenizer(location, model.revision)
     eos = generation_eos(location, tokenizer, model.revision)
-    target = load_runtime(location, resolve_dtype(model.dtype, device), device, model.aux_layer_ids, model.revision)
+    dtype, why = decode_choice(model, location, device, verifies=True)
+    print(f"[infer] precision: {str(dtype).removeprefix('torch.')} ({why['why']})")
+    target = load_runtime(location, dtype, device, model.aux_layer_ids, model.revision)
     return target, tokenizer, eos

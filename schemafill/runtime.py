@@ -17,6 +17,7 @@ and rotary tables in fp32), so fp32 logits match it tightly; SDPA on CPU (fp32) 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill.layers import MLP, RMSNorm, Rotary, apply_rotary, attend, query_blocks
+from schemafill.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary, attend, query_blocks
+from schemafill.timing import elapsed_ms
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # what one more attention call costs on a CPU, in FLOPs of attention work (4 per head dim per
@@ -145,10 +147,10 @@ class Attention(nn.Module):
     def __init__(self, c: RuntimeConfig) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -212,10 +214,11 @@ class Target(nn.Module):
         self.config = c
         self.hf_config = hf_config  # the transformers config it came from (heads are shaped from it)
         self.model = Backbone(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(inv_freq, attention_scaling)
+        self.few_rows = 0  # products of up to this many rows run transposed (``tune_few_rows``)
 
     @property
     def device(self) -> torch.device:
@@ -313,7 +316,7 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
     hf = AutoConfig.from_pretrained(folder)
     target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
     state = {k: v.to(dtype) for k, v in _checkpoint_state(folder).items()}
-    return _install(target, state).to(device).eval()
+    return tune_few_rows(_install(target, state).to(device).eval())
 
 
 def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
@@ -321,4 +324,37 @@ def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
     hf = model.config
     target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
     state = dict(model.state_dict())
-    return _install(target, state).to(next(model.parameters()).device).eval()
+    return tune_few_rows(_install(target, state).to(next(model.parameters()).device).eval())
+
+
+FEW_ROWS = (2, 4, 8, 16)
+
+
+@torch.inference_mode()
+def tune_few_rows(target: Target, margin: float = 0.9, repeats: int = 5) -> Target:
+    """Time the LM head's product at 2-16 rows both ways (``layers.Linear``) and let every
+    projection of ``target`` take the transposed one up to the most rows where it is at least
+    ``margin`` faster: a fraction of a second, measured rather than assumed per host. A GPU
+    keeps its own kernels."""
+    if target.device.type != "cpu":
+        return target
+    weight = target.lm_head.weight  # the largest product of a forward
+    g = torch.Generator().manual_seed(0)
+    few = 0
+    for rows in FEW_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)
+        calls = (lambda: torch.nn.functional.linear(x, weight), lambda: weight @ x.T)
+        times: list[list[float]] = [[], []]
+        for call in calls:
+            call()  # warm-up
+        for _ in range(repeats):
+            for i, call in enumerate(calls):  # alternating: a busy host slows both alike
+                times[i].append(elapsed_ms(call, target.device))
+        if statistics.median(times[1]) > margin * statistics.median(times[0]):
+            break
+        few = rows
+    for module in target.modules():
+        if isinstance(module, Linear):
+            module.few_rows = few
+    target.few_rows = few
+    return target

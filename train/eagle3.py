@@ -30,12 +30,12 @@ from tqdm.auto import tqdm
 
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
-from schemafill.device import cpu_bf16_native, resolve_dtype
+from schemafill.device import TRAIN_PROBE_ROWS, train_precision
 from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
 from schemafill.feature_cache import FEATURES, FeatureCache, Features
 from schemafill.fingerprint import fingerprint, load_if_fresh, read_manifest, write_manifest
 from schemafill.losses import ttt_loss
-from schemafill.models import load_model, load_tokenizer, target_location
+from schemafill.models import decode_choice, load_model, load_tokenizer, target_location
 from schemafill.runtime import from_hf_model
 from schemafill.stopping import eos_token_ids
 from train.features import target_features
@@ -211,16 +211,13 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     accelerator = Accelerator(gradient_accumulation_steps=hc.grad_accum, cpu=not torch.cuda.is_available(),
                               step_scheduler_with_optimizer=False)
     set_seed(cfg.seed)
-    if accelerator.mixed_precision == "bf16" and accelerator.device.type == "cpu" and not cpu_bf16_native()[0]:
-        print(f"[head] warning: the launcher asks for bf16 mixed precision on a CPU that emulates it "
-              f"({cpu_bf16_native()[1]}); pass --mixed_precision no (conf/accelerate/cpu.yaml) for fp32")
     rows = datasets.load_from_disk(str(cont)).to_list()
     # rows whose response starts beyond max_seq_len would only be truncated prompts: nothing to learn
     fits = [i for i, r in enumerate(rows) if r["prompt_len"] + 2 < hc.max_seq_len]
     train_idx, held_idx = split_rows([rows[i]["id"] for i in fits], hc.heldout_fraction)
     train_idx, held_idx = [fits[i] for i in train_idx], [fits[i] for i in held_idx]
     tokenizer = load_tokenizer(location, cfg.model.revision)
-    target = load_model(location, resolve_dtype(cfg.model.dtype, accelerator.device), accelerator.device,
+    target = load_model(location, decode_choice(cfg.model, location, accelerator.device, verifies=False)[0], accelerator.device,
                         cfg.model.revision)
     target.requires_grad_(False)
     vocab_size = target.config.vocab_size
@@ -244,6 +241,11 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                       accelerator.device)
 
     head = new_head(target, size, cfg.model.aux_layer_ids, vocab).to(accelerator.device)
+    # fp32 master weights; on a CPU bf16 only by autocast, where the train probe finds it faster
+    precision = train_precision(hc.bf16_autocast_cpu, accelerator.device, target.config, TRAIN_PROBE_ROWS)
+    autocast = accelerator.device.type == "cpu" and precision.bf16
+    print(f"[head] precision: {'bf16 autocast' if autocast else 'fp32'} ({precision.why}; "
+          f"train.head.bf16_autocast_cpu={hc.bf16_autocast_cpu})")
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=hc.lr, weight_decay=0.0)
     lengths = [len(r["input_ids"]) for r in rows]
@@ -279,7 +281,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
             if micro <= micro_done:
                 continue  # replayed by the checkpoint: the stream is deterministic, so skip it
             with accelerator.accumulate(head):
-                res = run_ttt(head, raw, batcher, batcher(idx), dc.horizons, dc.loss_decay)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    res = run_ttt(head, raw, batcher, batcher(idx), dc.horizons, dc.loss_decay)
                 accelerator.backward(res.loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, hc.max_grad_norm)
@@ -309,7 +312,8 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                     "resumed_from_step": resumed_from,
                     "train_rows": len(train_idx), "heldout_rows": len(held_idx), "draft_vocab_size": size,
                     "rows_too_long": len(rows) - len(fits),
-                    "horizons": dc.horizons, "feature_cache": hc.feature_cache, "processes": accelerator.num_processes})
+                    "horizons": dc.horizons, "feature_cache": hc.feature_cache, "processes": accelerator.num_processes,
+                    "precision": {**precision.summary(), "autocast": autocast}})
     with atomic.atomic_path(out) as tmp:
         save_head(raw, tmp)
         atomic.write_json(tmp / "train_metrics.json", metrics)

@@ -9,6 +9,7 @@ rerun or resumed alone (``stages=[head]``). ``--multirun model=a,b`` sweeps targ
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -65,14 +66,54 @@ def summary_path(cfg: PipelineConfig) -> Path:
 
 
 def write_summary(cfg: PipelineConfig, results: dict, stage: str) -> None:
-    """Per-stage seconds of this run (a cached stage takes ~0 s) and the host they were measured on."""
-    done = [s for s in results["seconds"] if s in results["stages"]]
-    atomic.write_json(summary_path(cfg), {
-        "model": cfg.model.name, "tag": cfg.tag, "stages": done, "failed": None if stage in done else stage,
-        "seconds": results["seconds"], "total_seconds": round(sum(results["seconds"].values()), 2),
-        "cached": {s: bool(results["stages"][s].get("cached")) for s in done if isinstance(results["stages"][s], dict)},
-        "host": host_summary(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
+    """The run summary after ``stage``: this stage's entry replaces its last one, the others stay
+    (a later run of one stage keeps what the whole run measured)."""
+    path = summary_path(cfg)
+    try:
+        previous = json.loads(path.read_text()) if path.is_file() else None
+    except (json.JSONDecodeError, OSError):
+        previous = None  # a damaged summary is started afresh, not a reason to stop
+    atomic.write_json(path, merge_summary(previous, cfg.model.name, cfg.tag, stage, results, host_summary(),
+                                          time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+
+
+FIGURES = {"target": ("valid_json_rate", "tool_name_accuracy", "mean_calls"), "continuations": ("rows", "tokens_per_s"),
+           "head": ("heldout_acc", "train_rows", "epochs")}
+
+
+def figures(stage: str, result: dict) -> dict:
+    """What a stage's summary entry says it achieved: the target's quality, the head's held-out
+    accuracy, each method's accept length and speedup in the main evaluation set."""
+    if stage == "eval":
+        metrics = result.get("metrics") or {}
+        main = metrics.get("bfcl450") or next(iter(metrics.values()), {})
+        return {m: {"accept_length": v.get("accept_length"), "speedup": v.get("speedup")} for m, v in main.items()}
+    return {k: result[k] for k in FIGURES.get(stage, ()) if k in result}
+
+
+def merge_summary(previous: dict | None, model: str, tag: str, stage: str, results: dict, host: dict,
+                  finished: str) -> dict:
+    """Each stage's latest seconds, whether it was cached, when it finished, the host and the
+    precision it ran with; and what this run did (its stages, the one that failed, if any). A
+    stage reused from the cache keeps the entry of the run that computed it, marked ``reused``."""
+    kept = (previous or {}).get("stages")
+    stages = dict(kept) if isinstance(kept, dict) else {}  # an older summary listed stage names only
+    result = results["stages"].get(stage)
+    if isinstance(result, dict) and result.get("cached") and stages.get(stage, {}).get("cached") is False:
+        stages[stage] = {**stages[stage], "reused": finished}  # its outputs are the measured run's: keep its figures
+    elif isinstance(result, dict):
+        entry = {"seconds": results["seconds"][stage], "cached": bool(result.get("cached")), "finished": finished,
+                 "host": host}
+        if result.get("precision") is not None:
+            entry["precision"] = result["precision"]
+        if figures(stage, result):
+            entry["figures"] = figures(stage, result)
+        stages[stage] = entry
+    run = [s for s in results["seconds"] if s in results["stages"]]
+    ordered = {s: stages[s] for s in STAGES if s in stages}
+    return {"model": model, "tag": tag, "stages": ordered,
+            "total_seconds": round(sum(e["seconds"] for e in ordered.values()), 2),
+            "last_run": {"stages": run, "failed": None if stage in run else stage, "finished": finished}}
 
 
 register_configs()

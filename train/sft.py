@@ -2,8 +2,9 @@
 
 Examples (``train.sft_data``) are prompt + canonical reference response, loss on response
 tokens only. The loop
-is Accelerate's, in fp32 on a CPU unless it computes bf16 natively (``schemafill.device``:
-emulated bf16 is ~30x slower), and is budgeted by steps *and* wall time, so `make run`
+is Accelerate's, in fp32 on a CPU unless a timed probe finds bf16 autocast faster
+(``schemafill/precision.py``: the same CPU flags mean 5x faster on one host, 1.5x slower on
+another, and 30x slower where bf16 is emulated), and is budgeted by steps *and* wall time, so `make run`
 stays inside its time box on a 2-core machine; no step starts that would end past it.
 Measured savings on CPU: frozen embeddings (tied to the LM head in SmolLM2); frozen lower
 layers, whose backward pass is never built and whose output is computed once per example

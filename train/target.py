@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from schemafill import atomic
 from schemafill.callmetrics import quality
 from schemafill.config import PipelineConfig, TargetTrainConfig, to_dict
-from schemafill.device import host_summary, resolve_device, use_bf16
+from schemafill.device import TRAIN_PROBE_ROWS, host_summary, resolve_device, train_precision
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, load_if_fresh, write_manifest
 from schemafill.generate import generate, prefix_order
 from schemafill.models import load_config, load_model, load_tokenizer, target_dir
@@ -273,12 +273,12 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
         if progress is not None:
             print(f"[target] continuing the fine-tune in {ckpt} from step {progress.steps} "
                   f"({progress.seconds / 60:.1f} of {tc.max_minutes:g} min)")
-        bf16, why = use_bf16(tc.bf16_autocast_cpu, device)
-        print(f"[target] precision: {'bf16 autocast' if bf16 else 'fp32'} ({why}; train.target.bf16_autocast_cpu="
-              f"{tc.bf16_autocast_cpu})")
-        train_stats = finetune(model, tokenizer, examples, tc, cfg.seed, tracker, bf16, progress, optimizer_state,
-                               checkpoint=lambda p, opt: save_checkpoint(ckpt, model, p, opt))
-        train_stats["precision"] = {"bf16_autocast": bf16, "why": why, "host": host_summary()}
+        precision = train_precision(tc.bf16_autocast_cpu, device, model.config, min(tc.batch_tokens, TRAIN_PROBE_ROWS))
+        print(f"[target] precision: {'bf16 autocast' if precision.bf16 else 'fp32'} ({precision.why}; "
+              f"train.target.bf16_autocast_cpu={tc.bf16_autocast_cpu})")
+        train_stats = finetune(model, tokenizer, examples, tc, cfg.seed, tracker, precision.bf16, progress,
+                               optimizer_state, checkpoint=lambda p, opt: save_checkpoint(ckpt, model, p, opt))
+        train_stats["precision"] = {**precision.summary(), "host": host_summary()}
         print(f"[target] fine-tuned: {train_stats}")
         eval_requests = stratified(read_requests(eval_file)[0], tc.quality_requests, tc.quality_seed)
         q, samples = measure_quality(model, tokenizer, eval_requests, cfg)
@@ -298,7 +298,7 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
         write_manifest(tmp, fp, stage="target", base=str(base), checkpoint=str(ckpt))
     print(f"[target] saved {out}")
     tracker.summary({f"target/{k}": v for k, v in _summary(result).items()})
-    return {**result, "cached": False}
+    return {**result, "precision": result["train"].get("precision"), "cached": False}
 
 
 def _summary(result: dict) -> dict:

@@ -51,6 +51,14 @@ def table1(metrics: dict[str, dict[str, dict]]) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
+def head_table(m: dict) -> tuple[list[str], list[list]]:
+    """The draft head: held-out accuracy per horizon, and what it was trained on."""
+    columns = ["Horizon", "Held-out accuracy", "Positions", "Train rows", "Epochs", "Draft vocabulary"]
+    acc, positions = m.get("heldout_acc") or [], m.get("heldout_positions") or []
+    return columns, [[k + 1, _num(a, 3), positions[k] if k < len(positions) else None, m.get("train_rows"),
+                      m.get("epochs"), m.get("draft_vocab_size")] for k, a in enumerate(acc)]
+
+
 def table2(methods: dict[str, dict]) -> tuple[list[str], list[list]]:
     """Ablation A–D on one dataset: AL, TPS, speedup over AR and over EAGLE-3."""
     columns = ["Stage", "Adds", "AL", "E2E TPS", "Speedup vs AR", "vs EAGLE-3"]

@@ -31,7 +31,7 @@ from typing import Any
 from schemafill import atomic
 from schemafill.config import InferConfig, LoggerConfig, PipelineConfig, to_dict
 from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
-from schemafill.models import target_location
+from schemafill.models import decode_choice, target_location
 from schemafill.response_format import JSON, ResponseFormat
 from schemafill.toolcall import parse_response
 
@@ -107,7 +107,7 @@ def kv_bytes_per_row(location: str, dtype_bytes: int, revision: str | None) -> i
 def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
     import torch
 
-    from schemafill.device import resolve_device, resolve_dtype
+    from schemafill.device import resolve_device
 
     ec = cfg.eval
     art = Path(cfg.paths.artifacts)
@@ -174,15 +174,17 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
                                  other: summarize([launch(dataset, f"constrain_{other}", methods, flipped)])}
 
     device = resolve_device()
-    dtype = resolve_dtype(cfg.model.dtype, device)
+    dtype, precision = decode_choice(cfg.model, location, device, verifies=True)
     per_row = kv_bytes_per_row(location, torch.empty(0, dtype=dtype).element_size(), cfg.model.revision)
     with atomic.atomic_path(out) as tmp:
         atomic.write_json(tmp / "metrics.json", metrics)
         atomic.write_json(tmp / "by_calls.json", calls)
         atomic.write_json(tmp / "sampled.json", {"temperature": ec.temperature, "metrics": sampled})
         atomic.write_json(tmp / "constrained.json", compared)
+        head_metrics = json.loads((head / "train_metrics.json").read_text()) \
+            if (head / "train_metrics.json").is_file() else None
         tables, plots = write_report(tmp, cfg.run_name, metrics, calls, per_row, str(dtype).replace("torch.", ""),
-                                     sampled, ec.temperature, compared)
+                                     sampled, ec.temperature, compared, head_metrics)
         write_manifest(tmp, fp, stage="eval", target=location, head=str(head))
     shutil.rmtree(work.parent, ignore_errors=True)
     summary = write_summary(out.parent)
@@ -196,19 +198,25 @@ def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
                          for k, v in vals.items() if k in ("accept_length", "tps", "speedup", "ar_agreement")
                          and v is not None})
         tracker.artifact(out, f"eval-{cfg.run_name}", "eval")  # the head went to W&B from its own stage
-    return {"metrics": metrics, "report": str(out / "report.md"), "cached": False}
+    return {"metrics": metrics, "report": str(out / "report.md"), "precision": precision, "cached": False}
 
 
 def write_report(folder: Path, model: str, metrics: dict, calls: dict, bytes_per_row: int,
                  dtype: str, sampled: dict | None = None, temperature: float = 0.0,
-                 compared: dict | None = None) -> tuple[dict, list[str]]:
-    """report.md and plots/*.png in ``folder``; returns the tables and plot names."""
+                 compared: dict | None = None, head: dict | None = None) -> tuple[dict, list[str]]:
+    """report.md and plots/*.png in ``folder``; returns the tables and plot names. ``head``: the
+    draft head's ``train_metrics.json``."""
     tables = {"table1_end_to_end": report.table1(metrics)}
     lines = [f"# SchemaFill evaluation — `{model}`", "",
              "AL = committed tokens per target call (prefill included); E2E TPS = committed tokens per second, "
              "timed from prompt rendering to stop; speedup = TPS / AR's TPS in the same launch; "
              "AR agreement = share of requests whose tokens equal AR's.", "",
              "## Table 1 — end to end", "", report.markdown(*tables["table1_end_to_end"]), ""]
+    if head:
+        tables["head"] = report.head_table(head)
+        lines += ["## The draft head", "", "Held-out top-1 agreement with the target's own next token, per "
+                  "horizon (step k drafts k + 1 tokens ahead), on continuations the head never trained on.", "",
+                  report.markdown(*tables["head"]), ""]
     learners = [m for m in ("toolspec", "suffix") if any(m in ms for ms in metrics.values())]
     if learners:
         lines += [f"{', '.join(learners)} learn from earlier outputs: each launch starts them empty, and they learn "

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemafill.layers import attend, query_blocks
-from schemafill.runtime import from_hf_model, load_target, reach
+from schemafill.layers import Linear, attend, query_blocks
+from schemafill.runtime import FEW_ROWS, from_hf_model, load_target, reach, tune_few_rows
 
 VOCAB = 512
 
@@ -207,3 +207,31 @@ def test_a_forward_attends_in_blocks_and_gives_the_same_logits():
     prompt = target(ids[:, :P], pos[:, :P], visible[:, :P, :P], slots[:, :P], arena)
     rest = target(ids[:, P:], pos[:, P:], visible[:, P:], slots[:, P:], arena)
     assert torch.allclose(together.logits, torch.cat([prompt.logits, rest.logits], 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_run_transposed_with_the_same_result(bias):
+    """``layers.Linear`` computes 2..few_rows rows as (W @ xᵀ)ᵀ: the same numbers as
+    ``nn.Linear``, one row and more rows than few_rows through nn.Linear itself."""
+    torch.manual_seed(0)
+    layer = Linear(24, 40, bias=bias)
+    layer.few_rows = 4
+    for shape in ((1, 1, 24), (1, 3, 24), (2, 2, 24), (5, 24), (1, 9, 24)):
+        x = torch.randn(*shape)
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+
+def test_a_tuned_target_gives_the_same_logits_and_records_its_choice():
+    """``tune_few_rows`` measures (whatever it picks, the logits stay those of ``transformers``)
+    and sets one threshold on every projection of the target."""
+    model = hf_model("llama", seed=2)
+    target = tune_few_rows(from_hf_model(model))
+    assert target.few_rows in (0, *FEW_ROWS)
+    assert {m.few_rows for m in target.modules() if isinstance(m, Linear)} == {target.few_rows}
+    for few in (0, 16):
+        for m in target.modules():
+            if isinstance(m, Linear):
+                m.few_rows = few
+        ids = torch.randint(0, VOCAB, (1, 6))
+        out, _ = causal(target, ids)
+        assert torch.allclose(out.logits[0], model(ids).logits[0], atol=1e-4)

@@ -29,7 +29,9 @@ def args_for(artifacts, tiny, *extra):
             "data.continuations.max_requests=24", "data.continuations.shard_size=8",
             "data.continuations.max_prompt_tokens=700", "drafter.draft_vocab_size=512",
             "train.head.epochs=2", "train.head.batch_size=4", "train.head.max_seq_len=512",
-            "train.head.heldout_fraction=0.2", "train.head.lr=1e-3", *extra]
+            "train.head.heldout_fraction=0.2", "train.head.lr=1e-3",
+            "model.dtype=float32",  # whatever the host probe prefers: features are compared with an fp32 rerun
+            *extra]
 
 
 @pytest.fixture(scope="module")

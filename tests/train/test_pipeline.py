@@ -28,8 +28,10 @@ def test_requests_stage_writes_eval_and_training_sets(make_cfg):
     assert stats["eval"] == {"bfcl450": 450} and stats["train"] == len(train)
     assert result["stages"]["requests"]["cached"] is False and "requests" in result["seconds"]
     summary = json.loads((Path(cfg.paths.artifacts) / "run_summary" / "smollm2-135m.json").read_text())
-    assert summary["stages"] == ["requests"] and summary["seconds"]["requests"] == result["seconds"]["requests"]
-    assert summary["host"]["cpu_capability"] and summary["host"]["cpu_count"] >= 1
+    assert list(summary["stages"]) == ["requests"] and summary["last_run"]["stages"] == ["requests"]
+    assert summary["stages"]["requests"]["seconds"] == result["seconds"]["requests"]
+    host = summary["stages"]["requests"]["host"]
+    assert host["cpu_capability"] and host["cpu_count"] >= 1
     rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert len(rejected) == stats["rejected"] and rejected[0]["reason"] == "no tools"
 
@@ -114,3 +116,34 @@ def test_pipeline_run_is_tracked_with_wandb_offline(make_cfg, tmp_path):
     # offline runs keep config, history and summary in the run's protobuf log until `wandb sync`
     record = wandb_record(runs[0], b"smollm2-135m", b"git_sha", b"requests/train")
     assert b"smollm2-135m" in record and b"git_sha" in record and b"requests/train" in record, record[:200]
+
+
+def test_the_run_summary_keeps_every_stage_of_the_whole_run():
+    """A later run of one stage replaces that stage's entry only; a failed stage is named and
+    keeps its last good entry."""
+    from train.run import merge_summary
+
+    host = {"cpu_capability": "AVX512"}
+    whole = {"stages": {s: {"cached": False, "precision": {"bf16": s == "target"}, "valid_json_rate": 0.95}
+                        for s in ("requests", "target")},
+             "seconds": {"requests": 1.5, "target": 200.0}}
+    summary = merge_summary(None, "m", "", "requests", whole, host, "t1")
+    summary = merge_summary(summary, "m", "", "target", whole, host, "t1")
+    assert list(summary["stages"]) == ["requests", "target"] and summary["total_seconds"] == 201.5
+    assert summary["stages"]["target"]["precision"] == {"bf16": True} and "precision" in summary["stages"]["requests"]
+    assert summary["stages"]["target"]["figures"] == {"valid_json_rate": 0.95}  # the target's quality rides along
+    assert "figures" not in summary["stages"]["requests"]
+    alone = {"stages": {"requests": {"cached": False}}, "seconds": {"requests": 0.7}}
+    later = merge_summary(summary, "m", "", "requests", alone, host, "t2")
+    assert later["stages"]["target"] == summary["stages"]["target"]  # the whole run's target survives
+    assert later["stages"]["requests"] == {"seconds": 0.7, "cached": False, "finished": "t2", "host": host}
+    assert later["last_run"] == {"stages": ["requests"], "failed": None, "finished": "t2"}
+    # a cached rerun keeps the measured entry (its outputs are that run's), marked reused
+    reused = merge_summary(later, "m", "", "target", {"stages": {"target": {"cached": True}}, "seconds": {"target": 0.1}},
+                           host, "t2b")
+    assert reused["stages"]["target"] == {**summary["stages"]["target"], "reused": "t2b"}
+    assert reused["total_seconds"] == 200.7
+    failed = merge_summary(later, "m", "", "target", {"stages": {}, "seconds": {"target": 3.0}}, host, "t3")
+    assert failed["last_run"]["failed"] == "target" and failed["stages"]["target"] == summary["stages"]["target"]
+    # a summary of the older layout (stage names only) is read as no entries, not an error
+    assert list(merge_summary({"stages": ["requests"]}, "m", "", "requests", alone, host, "t4")["stages"]) == ["requests"]

@@ -58,7 +58,7 @@ def test_a_sweep_runs_each_job_through_submitit_and_groups_their_wandb_runs(tmp_
     assert "Submitit 'local' sweep output dir" in done.stdout + done.stderr
     for tag in ("a", "b"):  # each job ran in its own process and wrote its own summary
         summary = json.loads((tmp_path / "art" / "run_summary" / f"smollm2-135m-{tag}.json").read_text())
-        assert summary["stages"] == ["requests"] and summary["tag"] == tag
+        assert list(summary["stages"]) == ["requests"] and summary["tag"] == tag
     assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 2  # submitit ran both, not Hydra's basic launcher
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2

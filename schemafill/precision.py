@@ -25,14 +25,13 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from schemafill import atomic
-from schemafill.timing import elapsed_ms
+from schemafill.timing import alternating_ms
 
 MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
 SETTINGS = ("auto", "true", "false")
@@ -123,14 +122,8 @@ def probe(kind: str, shape: Shape, repeats: int = 5) -> tuple[float, float]:
         calls = [lambda: forwards(fp32, x), lambda: forwards(bf16, low)]
     else:
         raise ValueError(f"probe kind must be one of {KINDS}, got {kind!r}")
-    cpu = torch.device("cpu")
-    for call in calls:
-        call()  # warm-up
-    times: list[list[float]] = [[], []]
-    for _ in range(repeats):
-        for i, call in enumerate(calls):
-            times[i].append(elapsed_ms(call, cpu))
-    return statistics.median(times[0]), statistics.median(times[1])
+    fp32_ms, bf16_ms = alternating_ms(calls, torch.device("cpu"), repeats)
+    return fp32_ms, bf16_ms
 
 
 def host_key(kind: str, shape: Shape) -> str:

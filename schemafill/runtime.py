@@ -17,7 +17,6 @@ and rotary tables in fp32), so fp32 logits match it tightly; SDPA on CPU (fp32) 
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from schemafill.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary, attend, query_blocks
-from schemafill.timing import elapsed_ms
+from schemafill.timing import alternating_ms
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # what one more attention call costs on a CPU, in FLOPs of attention work (4 per head dim per
@@ -343,14 +342,9 @@ def tune_few_rows(target: Target, margin: float = 0.9, repeats: int = 5) -> Targ
     few = 0
     for rows in FEW_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)
-        calls = (lambda: torch.nn.functional.linear(x, weight), lambda: weight @ x.T)
-        times: list[list[float]] = [[], []]
-        for call in calls:
-            call()  # warm-up
-        for _ in range(repeats):
-            for i, call in enumerate(calls):  # alternating: a busy host slows both alike
-                times[i].append(elapsed_ms(call, target.device))
-        if statistics.median(times[1]) > margin * statistics.median(times[0]):
+        plain, transposed = alternating_ms([lambda: torch.nn.functional.linear(x, weight), lambda: weight @ x.T],
+                                           target.device, repeats)
+        if transposed > margin * plain:
             break
         few = rows
     for module in target.modules():

@@ -30,3 +30,15 @@ def median_ms(fn: Callable[[], Any], device: torch.device, repeats: int, warmup:
     for _ in range(warmup):
         fn()
     return statistics.median(elapsed_ms(fn, device) for _ in range(repeats))
+
+
+def alternating_ms(calls: list[Callable[[], Any]], device: torch.device, repeats: int) -> list[float]:
+    """Median milliseconds of each of ``calls``, after one warm-up of each, timed in turn round
+    after round: a host that drifts or is busy with something else slows them alike."""
+    for fn in calls:
+        fn()
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, fn in enumerate(calls):
+            times[i].append(elapsed_ms(fn, device))
+    return [statistics.median(t) for t in times]

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 from schemafill import atomic
-from schemafill.timing import elapsed_ms
+from schemafill.timing import alternating_ms
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -178,13 +177,9 @@ def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] 
     calls = []
     for n in sizes:
         sl = slice(context, context + n)
-        calls.append((tokens[:, sl], positions[:, sl], causal[:, sl, : context + n], positions[:, sl], arena))
-        target(*calls[-1])
-    times: list[list[float]] = [[] for _ in sizes]
-    for _ in range(repeats):
-        for i, args in enumerate(calls):  # round-robin over sizes: a host that drifts shifts them alike
-            times[i].append(elapsed_ms(lambda: target(*args), dev))
-    return CostModel.fit(tuple(sizes), tuple(statistics.median(t) for t in times), context)
+        args = (tokens[:, sl], positions[:, sl], causal[:, sl, : context + n], positions[:, sl], arena)
+        calls.append(lambda args=args: target(*args))
+    return CostModel.fit(tuple(sizes), tuple(alternating_ms(calls, dev, repeats)), context)
 
 
 def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, context: int = 512,

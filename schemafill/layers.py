@@ -78,14 +78,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-           blocks: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+           blocks: list[tuple[int, int, int]] | None = None, fold_groups: bool = False) -> torch.Tensor:
     """SDPA with grouped KV heads under a boolean visibility mask.
 
     q: [B, Hq, T, hd]; k, v: [B, Hkv, S, hd]; visible: [B, T, S] (True = may attend).
     ``blocks`` (``query_blocks``): query rows [a, b) attend over slots [0, n) only, the same
     result when no row of a block sees a slot at or past its ``n``.
+    ``fold_groups``: a one-token query attends as ``Hkv`` heads of ``Hq/Hkv`` rows each (the
+    query heads sharing a KV head become that head's rows; their mask is the same row):
+    the same attention without SDPA's grouped-head path, which some CPU kernels run several
+    times slower for one query row (``runtime.tune_attention`` decides by timing).
     """
     gqa = q.shape[1] != k.shape[1]
+    if fold_groups and gqa and q.shape[2] == 1:
+        b, hq, _, hd = q.shape
+        folded = q.reshape(b, k.shape[1], hq // k.shape[1], hd)  # [B, Hkv, G, hd]: head h reads KV head h // G
+        return F.scaled_dot_product_attention(folded, k, v, attn_mask=visible[:, None]).reshape(b, hq, 1, hd)
     if blocks is None or len(blocks) == 1 and blocks[0][2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=gqa)
     return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :n], v[:, :, :n],

@@ -143,6 +143,8 @@ class KVArena:
 
 
 class Attention(nn.Module):
+    fold_groups = False  # one-token queries fold grouped heads into rows (``tune_attention``)
+
     def __init__(self, c: RuntimeConfig) -> None:
         super().__init__()
         self.c = c
@@ -171,10 +173,11 @@ class Attention(nn.Module):
         arena.write(layer, rows, slots, k, v)
         if spans is None:
             keys, values = arena.read(layer, rows, visibility.shape[-1])  # [B, Hkv, S, hd]
-            out = attend(q, keys, values, visibility, blocks)
+            out = attend(q, keys, values, visibility, blocks, self.fold_groups)
         else:  # ragged: each row reads only its own slots, straight from the arena
             out = torch.cat([attend(q[b:b + 1], arena.k[layer][r:r + 1, :, :n], arena.v[layer][r:r + 1, :, :n],
-                                    visibility[b:b + 1, :, :n]) for b, (r, n) in enumerate(spans)])
+                                    visibility[b:b + 1, :, :n], fold_groups=self.fold_groups)
+                             for b, (r, n) in enumerate(spans)])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -218,6 +221,7 @@ class Target(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(inv_freq, attention_scaling)
         self.few_rows = 0  # products of up to this many rows run transposed (``tune_few_rows``)
+        self.fold_groups = False  # one-token attention folds grouped heads (``tune_attention``)
 
     @property
     def device(self) -> torch.device:
@@ -315,7 +319,7 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
     hf = AutoConfig.from_pretrained(folder)
     target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
     state = {k: v.to(dtype) for k, v in _checkpoint_state(folder).items()}
-    return tune_few_rows(_install(target, state).to(device).eval())
+    return tune(_install(target, state).to(device).eval())
 
 
 def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
@@ -323,10 +327,15 @@ def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
     hf = model.config
     target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
     state = dict(model.state_dict())
-    return tune_few_rows(_install(target, state).to(next(model.parameters()).device).eval())
+    return tune(_install(target, state).to(next(model.parameters()).device).eval())
 
 
 FEW_ROWS = (2, 4, 8, 16)
+
+
+def tune(target: Target) -> Target:
+    """The CPU kernel choices of a freshly loaded target, each from a timed probe."""
+    return tune_attention(tune_few_rows(target))
 
 
 @torch.inference_mode()
@@ -351,4 +360,33 @@ def tune_few_rows(target: Target, margin: float = 0.9, repeats: int = 5) -> Targ
         if isinstance(module, Linear):
             module.few_rows = few
     target.few_rows = few
+    return target
+
+
+@torch.inference_mode()
+def tune_attention(target: Target, margin: float = 0.9, repeats: int = 5, context: int = 512,
+                   batch: tuple[int, ...] = (1, 16)) -> Target:
+    """Time one-token attention over ``context`` slots (AR's step and a batched decoding
+    step's shapes) through SDPA's grouped-head path and folded into KV-head rows
+    (``layers.attend``), and fold where that is at least ``margin`` faster: some CPU kernels
+    run a one-row grouped query several times slower in bf16 than the folded one. A GPU keeps
+    its own kernels; without grouped heads there is nothing to fold."""
+    c = target.config
+    if target.device.type != "cpu" or c.num_heads == c.num_kv_heads:
+        return target
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for rows in batch:
+        q = torch.randn(rows, c.num_heads, 1, c.head_dim, generator=g).to(target.dtype)
+        kv = torch.randn(rows, c.num_kv_heads, context, c.head_dim, generator=g).to(target.dtype)
+        visible = torch.ones(rows, 1, context, dtype=torch.bool)
+        calls.append((q, kv, visible))
+    plain, folded = alternating_ms(
+        [lambda: [attend(q, kv, kv, m) for q, kv, m in calls],
+         lambda: [attend(q, kv, kv, m, fold_groups=True) for q, kv, m in calls]], target.device, repeats)
+    fold = folded <= margin * plain
+    for module in target.modules():
+        if isinstance(module, Attention):
+            module.fold_groups = fold
+    target.fold_groups = fold
     return target

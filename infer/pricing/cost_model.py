@@ -148,7 +148,7 @@ def isotonic(values: tuple[float, ...] | list[float]) -> list[float]:
 def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a forward's time depends on, as one string: the target's shape and a sample of its
     weights, the device, dtype, the CPU capability ATen dispatches to, the thread count, and
-    how many rows its products run transposed (``schemafill.runtime.tune_few_rows``)."""
+    the kernel choices its load measured (``schemafill.runtime.tune``)."""
     c = target.config
     w = target.lm_head.weight
     probe = w.detach().flatten()[:: max(1, w.numel() // 4096)].float().cpu().numpy().tobytes()
@@ -156,7 +156,8 @@ def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return (f"{c.family}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}-{weights}|{device.type}{gpu}|"
             f"{str(dtype).removeprefix('torch.')}|{torch.backends.cpu.get_cpu_capability()}|"
-            f"threads{torch.get_num_threads()}|torch{torch.__version__}|few{getattr(target, 'few_rows', 0)}")
+            f"threads{torch.get_num_threads()}|torch{torch.__version__}|few{getattr(target, 'few_rows', 0)}"
+            f"|fold{int(getattr(target, 'fold_groups', False))}")
 
 
 @torch.inference_mode()

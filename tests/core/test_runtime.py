@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from schemafill.layers import Linear, attend, query_blocks
-from schemafill.runtime import FEW_ROWS, from_hf_model, load_target, reach, tune_few_rows
+from schemafill.runtime import FEW_ROWS, Attention, from_hf_model, load_target, reach, tune_attention, tune_few_rows
 
 VOCAB = 512
 
@@ -235,3 +235,43 @@ def test_a_tuned_target_gives_the_same_logits_and_records_its_choice():
         ids = torch.randint(0, VOCAB, (1, 6))
         out, _ = causal(target, ids)
         assert torch.allclose(out.logits[0], model(ids).logits[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_attention_folds_grouped_heads_into_rows(dtype):
+    """Query heads 2h and 2h+1 read KV head h: folded into that head's two rows, a one-token
+    query gives what SDPA's grouped path gives; queries of several tokens are not folded."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 1, 8).to(dtype)
+    k, v = torch.randn(3, 2, 10, 8).to(dtype), torch.randn(3, 2, 10, 8).to(dtype)
+    visible = torch.rand(3, 1, 10) > 0.4
+    visible[..., 0] = True
+    folded = attend(q, k, v, visible, fold_groups=True)
+    expanded = attend(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), visible)  # no GQA at all
+    assert torch.allclose(folded.float(), expanded.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert torch.allclose(folded.float(), attend(q, k, v, visible).float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    # the head order matters: swapping the KV heads must change a folded result
+    assert not torch.allclose(folded, attend(q, k.flip(1), v.flip(1), visible, fold_groups=True))
+    several = torch.randn(1, 4, 3, 8)
+    mask = torch.ones(3, 10, dtype=torch.bool)[None]
+    assert torch.equal(attend(several, k[:1].float(), v[:1].float(), mask, fold_groups=True),
+                       attend(several, k[:1].float(), v[:1].float(), mask))
+
+
+def test_a_target_tuned_to_fold_decodes_as_transformers():
+    """``tune_attention`` records one choice on every attention layer; both choices decode
+    token by token (one-token queries, where folding applies) to ``transformers``' logits."""
+    model = hf_model("llama", seed=3)
+    target = tune_attention(from_hf_model(model))
+    assert {m.fold_groups for m in target.modules() if isinstance(m, Attention)} == {target.fold_groups}
+    ids = torch.randint(0, VOCAB, (1, 7))
+    expected = model(ids).logits[0]
+    for fold in (False, True):
+        for m in target.modules():
+            if isinstance(m, Attention):
+                m.fold_groups = fold
+        arena = target.new_arena(1, 16)
+        for t in range(7):
+            pos = torch.tensor([[t]])
+            out = target(ids[:, t:t + 1], pos, torch.arange(t + 1)[None, None] <= t, pos, arena)
+            assert torch.allclose(out.logits[0, 0], expected[t], atol=1e-4), (fold, t)

@@ -381,9 +381,11 @@ def tune_attention(target: Target, margin: float = 0.9, repeats: int = 5, contex
         kv = torch.randn(rows, c.num_kv_heads, context, c.head_dim, generator=g).to(target.dtype)
         visible = torch.ones(rows, 1, context, dtype=torch.bool)
         calls.append((q, kv, visible))
+    layers = range(c.num_layers)  # a forward's worth of calls: one call alone is too short to time
     plain, folded = alternating_ms(
-        [lambda: [attend(q, kv, kv, m) for q, kv, m in calls],
-         lambda: [attend(q, kv, kv, m, fold_groups=True) for q, kv, m in calls]], target.device, repeats)
+        [lambda: [attend(q, kv, kv, m) for _ in layers for q, kv, m in calls],
+         lambda: [attend(q, kv, kv, m, fold_groups=True) for _ in layers for q, kv, m in calls]],
+        target.device, repeats)
     fold = folded <= margin * plain
     for module in target.modules():
         if isinstance(module, Attention):

@@ -25,6 +25,7 @@ running the target over the rows again.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import time
 from pathlib import Path
@@ -87,17 +88,22 @@ def prompts_for(requests: list[ToolRequest], tokenizer: Any, cfg: PipelineConfig
     return prompts, skipped
 
 
-def shard_plan(prompts: list[list[int] | None], shard_size: int) -> list[list[int]]:
-    """Shards of request indices in prompt order (neighbours share prefixes; skipped last)."""
-    order = sorted(range(len(prompts)), key=lambda i: (prompts[i] is None, prompts[i] or []))
-    return [order[i:i + shard_size] for i in range(0, len(order), shard_size)]
+def shard_plan(prompts: list[list[int] | None], shard_size: int, seed: int) -> list[list[int]]:
+    """Shards of request indices: seeded random draws of the pool, so that the first shards,
+    all a time budget may leave, are a sample of all of it (compositions included); each in
+    prompt order, so neighbours share prefixes (skipped requests last)."""
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    return [sorted(order[i:i + shard_size], key=lambda j: (prompts[j] is None, prompts[j] or []))
+            for i in range(0, len(order), shard_size)]
 
 
 def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[ToolRequest],
                prompts: list, skipped: dict[str, str], shards: dict[int, list[int]], work: Path,
-               cfg: PipelineConfig, bar: tqdm) -> None:
+               cfg: PipelineConfig, bar: tqdm) -> bool:
     """Generate every request of ``shards`` in one continuously batched stream; each shard
-    is written (atomically) the moment its last request finishes."""
+    is written (atomically) the moment its last request finishes. Past the time budget
+    (``data.continuations.max_minutes``) no further shard starts; returns whether it stopped so."""
     rows: dict[int, list[dict]] = {s: [] for s in shards}
     captured: dict[int, dict[str, dict]] = {s: {} for s in shards}  # shard -> id -> features
     capture = cfg.data.continuations.features
@@ -134,9 +140,21 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
     for s in shards:
         if left[s] == 0:
             write(s)
+    budget = 60 * cfg.data.continuations.max_minutes
+    # where a shard starts (past the first: a launch always makes some progress)
+    opens = {k for k in range(1, len(stream)) if stream[k][0] != stream[k - 1][0]}
+    stopped = []
+
+    def admit(k: int) -> bool:
+        if budget and k in opens and time.perf_counter() - clock["start"] > budget:
+            stopped.append(k)
+            return False
+        return True
+
     generate(target, tokenizer, [prompts[j] for _, j in stream], cfg.decode.max_new_tokens,
              cfg.data.continuations.batch_size, eos=eos, on_done=done, capture=capture,
-             fmt=cfg.model.fmt)
+             fmt=cfg.model.fmt, admit=admit)
+    return bool(stopped)
 
 
 def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
@@ -154,9 +172,12 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
                  "prompt_style": m.prompt_style, "chat": m.chat_template_kwargs, "max_context": m.max_context}
     if cfg.data.continuations.features:
         model_key["aux_layer_ids"] = list(m.aux_layer_ids)
-    fp = fingerprint({"model": model_key, "target": target_fp, "gen": to_dict(cfg.data.continuations),
-                      "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
-                      "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 2})
+    gen = to_dict(cfg.data.continuations)
+    inputs = {"model": model_key, "target": target_fp, "gen": {k: v for k, v in gen.items() if k != "max_minutes"},
+              "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
+              "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 3}
+    shards_fp = fingerprint(inputs)  # what a shard's rows depend on: not the budget, so a larger one resumes
+    fp = fingerprint({**inputs, "max_minutes": gen["max_minutes"]})
     outputs = OUTPUTS + ([f"{FEATURES}/meta.json"] if cfg.data.continuations.features else [])
     if (stats := load_if_fresh("continuations", out, fp, outputs, "stats.json", lambda s: f"{s['rows']} rows",
                                quiet=not state.is_main_process)) is not None:
@@ -164,11 +185,11 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     if state.is_main_process:
         print(f"[continuations] precision: {str(dtype).removeprefix('torch.')} ({precision['why']})")
 
-    work = out.parent / f".{out.name}.shards" / fp  # keyed by fingerprint: a changed input never mixes in
+    work = out.parent / f".{out.name}.shards" / shards_fp  # keyed by fingerprint: a changed input never mixes in
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(location, m.revision)
     prompts, skipped = prompts_for(requests, tokenizer, cfg)
-    plan = shard_plan(prompts, cfg.data.continuations.shard_size)
+    plan = shard_plan(prompts, cfg.data.continuations.shard_size, cfg.seed)
     mine = [i for i in range(len(plan)) if i % state.num_processes == state.process_index]
     todo = [i for i in mine if not (work / f"shard_{i:05d}.jsonl").exists()]
     reused = sum((work / f"shard_{i:05d}.jsonl").exists() for i in range(len(plan)))
@@ -184,15 +205,23 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
         bar = tqdm(total=sum(prompts[j] is not None for i in todo for j in plan[i]),
                    desc=f"continuations[{state.process_index}]", unit="req", dynamic_ncols=True,
                    position=state.process_index)
-        run_shards(target, tokenizer, eos, requests, prompts, skipped, {i: plan[i] for i in todo}, work, cfg, bar)
+        if run_shards(target, tokenizer, eos, requests, prompts, skipped, {i: plan[i] for i in todo}, work, cfg, bar):
+            bar.write(f"[continuations] time budget of {cfg.data.continuations.max_minutes} min reached: "
+                      f"no further shard starts (data.continuations.max_minutes)")
         bar.close()
     state.wait_for_everyone()
     if state.is_main_process:
         source = {"aux_layer_ids": list(m.aux_layer_ids), "dtype": str(dtype), "stage": "continuations"}
-        stats = merge(work, len(plan), len(requests), out, time.perf_counter() - t0, fp, reused,
-                      features=source if cfg.data.continuations.features else None,
-                      fmt=cfg.model.fmt)
-        shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
+        written = [i for i in range(len(plan)) if (work / f"shard_{i:05d}.jsonl").exists()]
+        partial = len(written) < len(plan)
+        stats = merge(work, written, len(requests), out, time.perf_counter() - t0, fp, reused,
+                      features=source if cfg.data.continuations.features else None, fmt=cfg.model.fmt,
+                      extra={"shards_planned": len(plan), "stopped_by": "max_minutes" if partial else None})
+        if partial:
+            print(f"[continuations] kept {len(written)} of {len(plan)} shards; a larger "
+                  f"data.continuations.max_minutes resumes from them")
+        else:
+            shutil.rmtree(work.parent, ignore_errors=True)  # merged: the shards have served their purpose
     state.wait_for_everyone()  # no rank moves on (e.g. to the head stage) before the merge is on disk
     if not state.is_main_process:
         return {"process": state.process_index, "shards": len(todo)}
@@ -202,14 +231,15 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     return {**stats, "precision": precision, "cached": False}
 
 
-def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: str, reused: int,
-          features: dict | None = None, fmt: ResponseFormat = JSON) -> dict:
-    """All shards → one dataset (atomically) and its statistics (responses read as ``fmt``); with
-    ``features`` (their provenance) also the shards' captured features as one feature cache in row order."""
+def merge(work: Path, shards: list[int], requests: int, out: Path, wall: float, fp: str, reused: int,
+          features: dict | None = None, fmt: ResponseFormat = JSON, extra: dict | None = None) -> dict:
+    """The written ``shards`` → one dataset (atomically) and its statistics (responses read as
+    ``fmt``); with ``features`` (their provenance) also the shards' captured features as one
+    feature cache in row order."""
     import datasets
 
     rows, skipped, gen_seconds = [], [], 0.0
-    for i in range(shards):
+    for i in shards:
         lines = (work / f"shard_{i:05d}.jsonl").read_text().splitlines()
         meta = json.loads(lines[0])["_meta"]
         skipped += meta["skipped"]
@@ -236,8 +266,9 @@ def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: st
         "tokens_per_s": round(response_tokens / max(gen_seconds, 1e-9), 1),
         "seconds": round(wall, 1),
         "prompt_tokens_prefilled_share": round(sum(r["prefilled"] for r in rows) / max(sum(r["prompt_len"] for r in rows), 1), 3),
-        "shards": shards,
+        "shards": len(shards),
         "shards_reused": reused,
+        **(extra or {}),
     }
     columns = ("id", "input_ids", "loss_mask", "prompt_len", "response_text")
     ds = datasets.Dataset.from_dict({c: [r[c] for r in rows] for c in columns})
@@ -250,11 +281,11 @@ def merge(work: Path, shards: int, requests: int, out: Path, wall: float, fp: st
     return stats
 
 
-def write_features(work: Path, shards: int, rows: list[dict], folder: Path, source: dict) -> FeatureCache:
+def write_features(work: Path, shards: list[int], rows: list[dict], folder: Path, source: dict) -> FeatureCache:
     """The shards' captured features as one cache in the order of ``rows`` (the dataset's),
     read one shard at a time: the whole pool's features need not fit in memory."""
     index = {r["id"]: i for i, r in enumerate(rows)}
-    files = [work / f"shard_{i:05d}.features.pt" for i in range(shards)]
+    files = [work / f"shard_{i:05d}.features.pt" for i in shards]
     first = next((c for f in files for c in torch.load(f, mmap=True).values()), None)  # shapes only
     aux_dim, hidden = (first["aux"].shape[-1], first["final"].shape[-1]) if first else (0, 0)
 

@@ -64,6 +64,9 @@ class ContinuationsConfig:
     compositions: float = 0.25  # multi-call compositions added, as a share of the pool size
     max_requests: int = 0  # use only the first N training requests (0 = all)
     max_prompt_tokens: int = 0  # skip (and count) longer prompts; 0 = only the context limit applies
+    # a time budget (0 = none): past it no new shard starts, the ones under way finish, and the
+    # stage keeps what it has (shards are random draws of the pool; a larger budget resumes)
+    max_minutes: float = 0.0
     # keep the target's features of every generated row (aux, final hidden state, argmax) for
     # the head stage's feature cache, so the target never reruns over the rows: ~5 KB a token
     # for a 135M target, ~28 KB for a 7B one (on a CPU the rerun is most of the head stage)
@@ -244,6 +247,9 @@ class HeadTrainConfig:
     save_every: int = 500  # optimizer steps between resumable checkpoints
     heldout_fraction: float = 0.05
     feature_cache: bool = False  # run the target once and train every epoch on stored features
+    # a time budget (0 = none): the cosine schedule follows whichever of steps and minutes is
+    # further along, and training ends when either runs out
+    max_minutes: float = 0.0
     # on a CPU: auto = bf16 autocast where the train probe finds it faster (schemafill/precision.py)
     bf16_autocast_cpu: str = "auto"
 

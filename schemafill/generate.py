@@ -78,13 +78,15 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
              eos: frozenset[int] | None = None,
              on_done: Callable[[int, Generation], None] | None = None,
              make_stop: Callable[[int], Any] | None = None, capture: bool = False,
-             fmt: ResponseFormat = JSON) -> list[Generation]:
+             fmt: ResponseFormat = JSON, admit: Callable[[int], bool] | None = None) -> list[Generation | None]:
     """Greedy responses for every prompt (admitted in the given order), returned in input
     order; ``on_done(index, generation)`` is called as each one finishes. ``make_stop(index)``
     replaces the response stopping rule with another object of ``ResponseStop``'s interface
     (``push``, ``done``, ``ids``, ``text``, ``reason``); by default responses stop as ``fmt``'s
     do. ``capture`` keeps each token's
-    features (``Generation.aux``, ``.final``); with ``on_done`` only the callback sees them."""
+    features (``Generation.aux``, ``.final``); with ``on_done`` only the callback sees them.
+    ``admit(index)`` False stops admissions there: the rows under way finish, and the prompts
+    from that one on stay ``None`` (a time budget)."""
     eos = eos_token_ids(tokenizer) if eos is None else eos
     if make_stop is None:
         def make_stop(_: int) -> ResponseStop:
@@ -119,7 +121,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         else:
             row.pending = token
 
-    def admit(r: int, i: int) -> None:
+    def start(r: int, i: int) -> None:
         nonlocal holder, holder_aux
         p = prompts[i]
         shared = 0
@@ -139,10 +141,15 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
             rows[r].aux, rows[r].final = [holder_aux], [keep(f.final[0])]
         push(r, int(f.logits[0, 0].argmax()))
 
+    def next_prompt() -> int | None:
+        if queue and admit is not None and not admit(queue[0]):
+            queue.clear()
+        return queue.popleft() if queue else None
+
     while queue or any(row is not None for row in rows):
         for r in range(arena.rows):
-            while rows[r] is None and queue:  # a response can end at its first token: refill again
-                admit(r, queue.popleft())
+            while rows[r] is None and (i := next_prompt()) is not None:  # a response can end at its first token
+                start(r, i)
         active = [r for r in range(arena.rows) if rows[r] is not None]
         if not active:
             continue
@@ -161,4 +168,4 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
                 rows[r].aux.append(aux[b])
                 rows[r].final.append(final[b])
             push(r, token)
-    return out  # type: ignore[return-value]
+    return out

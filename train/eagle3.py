@@ -180,6 +180,37 @@ def captured_features(cont: Path, aux_layer_ids: list[int], dtype: torch.dtype, 
     return cache
 
 
+class Budget:
+    """Where training stands on its schedule: the share of its steps or of its time budget
+    (``train.head.max_minutes``; 0: none) done, whichever is further along. With a budget
+    the cosine decays with the clock, so a slow host still ends at a low learning rate; the
+    ranks take the slowest rank's clock, so they all step alike and stop together."""
+
+    def __init__(self, steps: int, seconds: float) -> None:
+        self.steps, self.limit = steps, seconds
+        self.spent = 0.0  # seconds before this launch (a resumed run)
+        self.seconds = 0.0  # seconds so far, as every rank agrees
+        self._accelerator, self._t0 = None, 0.0
+
+    def start(self, accelerator: Any) -> None:
+        self._accelerator, self._t0 = accelerator, time.perf_counter()
+        self.seconds = self.spent
+
+    def tick(self) -> None:
+        if not self.limit:
+            return
+        mine = torch.tensor([self.spent + time.perf_counter() - self._t0], device=self._accelerator.device)
+        self.seconds = float(self._accelerator.reduce(mine, "max")[0])
+
+    def progress(self, step: int) -> float:
+        done = min(step / self.steps, 1.0)
+        return max(done, min(self.seconds / self.limit, 1.0)) if self.limit else done
+
+    @property
+    def over(self) -> bool:
+        return bool(self.limit) and self.seconds >= self.limit
+
+
 def latest_checkpoint(folder: Path) -> tuple[Path | None, int]:
     steps = [(int(p.name.split("_")[1]), p) for p in folder.glob("step_*") if (p / "progress.json").is_file()]
     if not steps:
@@ -254,8 +285,9 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     per_epoch = max(1, math.ceil(len(train_idx) / hc.batch_size) // accelerator.num_processes)
     total_steps = max(1, hc.epochs * per_epoch // hc.grad_accum)
     warmup = max(1, int(hc.warmup_ratio * total_steps))
+    budget = Budget(total_steps, 60 * hc.max_minutes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * min(s / total_steps, 1.0)))))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.5 * (1 + math.cos(math.pi * budget.progress(s)))))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
 
     ckpt_root = out.parent / ".checkpoints" / f"{cfg.model.name}-{fp}-p{accelerator.num_processes}"
@@ -264,16 +296,21 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     micro_done = 0
     if resume is not None:
         accelerator.load_state(str(resume))
-        micro_done = json.loads((resume / "progress.json").read_text())["micro_steps"]
+        progress = json.loads((resume / "progress.json").read_text())
+        micro_done = progress["micro_steps"]
+        budget.spent = progress.get("seconds", 0.0)
         if accelerator.is_main_process:
             print(f"[head] resuming from {resume} (optimizer step {done_steps})")
 
     t0 = time.perf_counter()
+    budget.start(accelerator)
     raw = accelerator.unwrap_model(head)
     micro = 0
     bar = tqdm(total=hc.epochs * per_epoch, initial=micro_done, desc="train head", unit="batch",
                dynamic_ncols=True, disable=not accelerator.is_main_process)
     for epoch in range(hc.epochs):
+        if budget.over:
+            break
         epoch_batches = batches(lengths, train_idx, hc.batch_size, cfg.seed, epoch)
         mine = epoch_batches[accelerator.process_index::accelerator.num_processes][:per_epoch]
         for idx in mine:
@@ -288,6 +325,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                     accelerator.clip_grad_norm_(params, hc.max_grad_norm)
                 optimizer.step()
                 if accelerator.sync_gradients:
+                    budget.tick()  # before the schedule reads it: every rank agrees on the time
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             if accelerator.sync_gradients:
@@ -300,8 +338,12 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                                  **{f"head/acc_{k}": a for k, a in enumerate(acc)},
                                  **{f"head/loss_{k}": v for k, v in enumerate(res.step_loss)}})
                 if hc.save_every and done_steps % hc.save_every == 0:
-                    save_checkpoint(accelerator, ckpt_root / f"step_{done_steps}", micro)
+                    save_checkpoint(accelerator, ckpt_root / f"step_{done_steps}", micro, budget.seconds)
             bar.update(1)
+            if budget.over:
+                bar.write(f"[head] time budget of {hc.max_minutes} min reached after {done_steps} of "
+                          f"{total_steps} steps (train.head.max_minutes); the schedule decayed with it")
+                break
     bar.close()
     train_seconds = time.perf_counter() - t0
     if not accelerator.is_main_process:
@@ -309,6 +351,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
         return {"process": accelerator.process_index}
     metrics = evaluate(raw, batcher, lengths, held_idx, cfg)
     metrics.update({"train_seconds": round(train_seconds, 1), "optimizer_steps": done_steps, "epochs": hc.epochs,
+                    "planned_steps": total_steps, "stopped_by": "max_minutes" if budget.over else None,
                     "resumed_from_step": resumed_from,
                     "train_rows": len(train_idx), "heldout_rows": len(held_idx), "draft_vocab_size": size,
                     "rows_too_long": len(rows) - len(fits),
@@ -330,12 +373,12 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     return {**metrics, "cached": False}
 
 
-def save_checkpoint(accelerator: Any, folder: Path, micro_steps: int, keep: int = 2) -> None:
+def save_checkpoint(accelerator: Any, folder: Path, micro_steps: int, seconds: float = 0.0, keep: int = 2) -> None:
     """Save a resumable state; ``progress.json`` marks it complete once every rank has written."""
     accelerator.save_state(str(folder))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        atomic.write_json(folder / "progress.json", {"micro_steps": micro_steps})
+        atomic.write_json(folder / "progress.json", {"micro_steps": micro_steps, "seconds": round(seconds, 3)})
         older = sorted(folder.parent.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]
         for path in older:
             shutil.rmtree(path, ignore_errors=True)

@@ -171,5 +171,6 @@ def test_every_experiment_composes_over_the_defaults_and_yields_to_the_command_l
     cfg = to_dataclass(compose([f"experiment={option}"]))
     assert isinstance(cfg, PipelineConfig) and cfg.tag == option
     full = to_dataclass(compose(["experiment=full", "eval.limit=5"]))
-    # it wins over the built-in target's defaults (72 requests), the command line over it
+    # it wins over the built-in target's defaults (400 requests, time budgets), the command line over it
     assert full.data.continuations.max_requests == 0 and full.train.head.epochs == 2 and full.eval.limit == 5
+    assert full.data.continuations.max_minutes == 0 and full.train.head.max_minutes == 0  # no budget cuts the pool

@@ -90,6 +90,31 @@ def test_continuous_batching_with_shared_prefixes_equals_transformers_greedy():
         assert g.ids == ref[:cut]
 
 
+def test_admissions_stop_where_admit_says_and_the_rows_under_way_finish():
+    model = tiny_llama(vocab_size=300, seed=2)
+    target = from_hf_model(model, aux_layer_ids=[0, 1, 1])
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 9))] for _ in range(7)]
+
+    class Tok:
+        eos_token_id, pad_token_id = -1, 0
+
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    whole = generate(target, Tok, prompts, max_new_tokens=6, batch_size=2)
+    asked = []
+
+    def admit(i: int) -> bool:
+        asked.append(i)
+        return i < 4
+
+    cut = generate(target, Tok, prompts, max_new_tokens=6, batch_size=2, admit=admit)
+    assert [g.ids for g in cut[:4]] == [g.ids for g in whole[:4]]  # started ones finish, unchanged
+    assert cut[4:] == [None, None, None] and asked[-1] == 4  # nothing asked after the first refusal
+
+
 def _req(rid, tool, calls, text=None, schema=None):
     return ToolRequest(id=rid, messages=[{"role": "user", "content": text or f"do {rid}"}],
                        tools=[{"type": "function", "function": {"name": tool, "description": "",

@@ -94,3 +94,19 @@ def test_two_processes_give_the_same_rows_as_one(builtin_artifacts, tiny_target,
         runs[n] = load_rows(to_dataclass(compose(args)))
         assert json.loads((continuations_dir(to_dataclass(compose(args))) / "stats.json").read_text())["rows"]
     assert runs[1] == runs[2] and len(runs[1]) > 0
+
+
+def test_a_time_budget_keeps_whole_shards_and_a_larger_one_resumes(builtin_artifacts, tiny_target, tmp_path):
+    """Past ``max_minutes`` no shard starts; what finished is the dataset (a sample of the
+    pool: shards are random draws), and a run without the budget generates only the rest."""
+    copy_requests(builtin_artifacts, tmp_path)
+    base = overrides(tmp_path, tiny_target, "data.continuations.max_prompt_tokens=900")
+    budgeted = build_continuations(to_dataclass(compose(base + ["data.continuations.max_minutes=1e-6"])))
+    assert budgeted["stopped_by"] == "max_minutes"
+    assert 1 <= budgeted["shards"] < budgeted["shards_planned"] == 5
+    first = load_rows(to_dataclass(compose(base)))
+    assert len(first) == budgeted["rows"] and 0 < len(first) < 20
+    whole = build_continuations(to_dataclass(compose(base)))
+    assert whole["stopped_by"] is None and whole["shards_reused"] == budgeted["shards"] and whole["shards"] == 5
+    rows = {r["id"]: r for r in load_rows(to_dataclass(compose(base)))}
+    assert all(rows[r["id"]]["input_ids"] == r["input_ids"] for r in first)  # kept, not generated again

@@ -20,7 +20,7 @@ from schemafill.config import to_dataclass
 from schemafill.drafter import load_head
 from schemafill.tracking import NullTracker
 from tests.conftest import ROOT, accelerate_launch, compose
-from train.eagle3 import build_head, heads_dir
+from train.eagle3 import Budget, build_head, heads_dir
 
 
 def args_for(artifacts, tiny, *extra):
@@ -157,3 +157,22 @@ def test_deepspeed_zero2_smoke(tiny_continuations, tiny_target, tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert (art / "heads" / "tiny" / "model.safetensors").exists()
+
+
+def test_the_schedule_follows_steps_or_minutes_whichever_is_further():
+    budget = Budget(steps=100, seconds=60.0)
+    budget.seconds = 15.0
+    assert budget.progress(10) == 0.25 and budget.progress(50) == 0.5 and not budget.over
+    budget.seconds = 60.0
+    assert budget.progress(10) == 1.0 and budget.over
+    free = Budget(steps=100, seconds=0.0)
+    free.seconds = 1e9
+    assert free.progress(10) == 0.1 and not free.over
+
+
+def test_a_time_budget_ends_training_early_with_a_head_all_the_same(tiny_continuations, tiny_target, tmp_path):
+    art = clone(tiny_continuations, tmp_path / "budget")
+    cfg = to_dataclass(compose(args_for(art, tiny_target, "train.head.max_minutes=1e-6")))
+    metrics = build_head(cfg)
+    assert metrics["stopped_by"] == "max_minutes" and metrics["optimizer_steps"] == 1 < metrics["planned_steps"]
+    assert (heads_dir(cfg) / "model.safetensors").is_file() and len(metrics["heldout_acc"]) == 2

@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run full test test-full bench serve serve-bench gpu-check gpu-project clean
+.PHONY: help setup run full test test-full bench bench-forward serve serve-bench gpu-check gpu-project clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ BENCH_ARGS ?=
 bench: setup  ## AR vs EAGLE-3, the training-free peers and SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests; BENCH_ARGS="decode.constrain=schema") -> outputs/bench/
 	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
 		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench $(BENCH_ARGS)
+
+bench-forward: setup  ## one target call of n rows, ours and transformers', fp32 and bf16, beside the host's bandwidth bound -> outputs/bench/forward.json
+	$(BIN)/python benchmarks/forward_bench.py
 
 serve: setup  ## the OpenAI-compatible endpoint on the built-in target, SchemaFill decoding (http://127.0.0.1:8000/v1)
 	$(BIN)/python infer/serve.py model=smollm2-135m method=schemafill methods=[ar,eagle3]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from infer.pricing.cost_model import verification_calls
 from schemafill import atomic
 from schemafill.device import host_summary
 from schemafill.runtime import Target, load_target
@@ -55,24 +56,6 @@ def streamed_bytes(target: Target) -> int:
     return total
 
 
-def ours(target: Target, context: int, sizes: tuple[int, ...]) -> list:
-    """Calls of the runtime's forward: ``n`` rows after ``context`` positions, logits at every row."""
-    g = torch.Generator().manual_seed(0)
-    width = context + max(sizes)
-    arena = target.new_arena(1, width)
-    tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g)
-    positions = torch.arange(width)[None]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
-    target(tokens[:, :context], positions[:, :context], causal[:, :context, :context], positions[:, :context], arena,
-           logits_at=torch.tensor([[context - 1]]))
-    calls = []
-    for n in sizes:
-        sl = slice(context, context + n)
-        args = (tokens[:, sl], positions[:, sl], causal[:, sl, :context + n], positions[:, sl], arena)
-        calls.append(lambda args=args: target(*args))
-    return calls
-
-
 def theirs(model, context: int, sizes: tuple[int, ...]) -> list:
     """Calls of the ``transformers`` model's forward on the same shapes, its cache kept at ``context``."""
     from transformers import DynamicCache
@@ -103,7 +86,7 @@ def run(folder: Path, dtypes: list[torch.dtype], contexts: tuple[int, ...], size
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval() \
             if with_hf else None
         for context in contexts:
-            calls = ours(target, context, sizes) + (theirs(model, context, sizes) if with_hf else [])
+            calls = verification_calls(target, context, sizes) + (theirs(model, context, sizes) if with_hf else [])
             ms = alternating_ms(calls, torch.device("cpu"), repeats)
             for i, n in enumerate(sizes):
                 hf = ms[len(sizes) + i] if with_hf else None

@@ -166,6 +166,14 @@ def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] 
     of n rows costs what a chain does: the mask differs, not the work), logits at every row as
     a verification computes them. Median of ``repeats`` rounds over every size, after one
     warm-up of each."""
+    calls = verification_calls(target, context, sizes)
+    return CostModel.fit(tuple(sizes), tuple(alternating_ms(calls, target.device, repeats)), context)
+
+
+@torch.inference_mode()
+def verification_calls(target: torch.nn.Module, context: int, sizes: tuple[int, ...]) -> list:
+    """One call per size: ``n`` new rows after ``context`` committed positions (prefilled
+    once here), logits at every row; each call writes the same slots, so any may repeat."""
     dev = target.device
     g = torch.Generator().manual_seed(0)
     width = context + max(sizes)
@@ -180,7 +188,7 @@ def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] 
         sl = slice(context, context + n)
         args = (tokens[:, sl], positions[:, sl], causal[:, sl, : context + n], positions[:, sl], arena)
         calls.append(lambda args=args: target(*args))
-    return CostModel.fit(tuple(sizes), tuple(alternating_ms(calls, dev, repeats)), context)
+    return calls
 
 
 def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, context: int = 512,

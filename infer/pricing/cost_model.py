@@ -16,7 +16,9 @@ along the last segment), made non-decreasing so noise never makes a bigger tree 
 cheaper: the closest non-decreasing curve (adjacent violators pooled into their mean), so
 one slow sample is averaged with its neighbours instead of lifting every size after it.
 ``load_or_measure`` keeps the result in a JSON file keyed by what the time depends on: the
-target's weights, device, dtype, the host's CPU capability, thread count and torch build.
+target's weights, device, dtype, the host's CPU capability, thread count and torch build;
+each launch times one one-row call against it and measures the curve again when the two
+disagree by more than a quarter (a curve cached in a busy hour would price every later launch).
 
 ``LiveCost`` corrects that curve with the launch's own verifications. The start-up chains
 are not what a decoder sends: a tree at a longer context, SIDE rows whose private contexts
@@ -37,7 +39,7 @@ from pathlib import Path
 import torch
 
 from schemafill import atomic
-from schemafill.timing import alternating_ms
+from schemafill.timing import alternating_ms, median_ms
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -170,6 +172,16 @@ def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] 
     return CostModel.fit(tuple(sizes), tuple(alternating_ms(calls, target.device, repeats)), context)
 
 
+def still_holds(target: torch.nn.Module, cached: CostModel, tolerance: float = 0.25, floor_ms: float = 5.0,
+                repeats: int = 3) -> bool:
+    """Whether a one-row call still costs what ``cached`` says, within ``tolerance`` (and
+    ``floor_ms``, below which timings are noise): a curve cached in a busy or slow hour would
+    otherwise price every later launch on this host. Half a second on a small target."""
+    (call,) = verification_calls(target, cached.context, (1,))
+    now = median_ms(call, target.device, repeats)
+    return abs(now - cached(1)) <= max(tolerance * cached(1), floor_ms)
+
+
 @torch.inference_mode()
 def verification_calls(target: torch.nn.Module, context: int, sizes: tuple[int, ...]) -> list:
     """One call per size: ``n`` new rows after ``context`` committed positions (prefilled
@@ -193,15 +205,18 @@ def verification_calls(target: torch.nn.Module, context: int, sizes: tuple[int, 
 
 def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, context: int = 512,
                     sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> tuple[CostModel, bool]:
-    """The cached curve for this (target, device, dtype, host), measuring it on a miss.
-    Returns (model, measured_now)."""
+    """The cached curve for this (target, device, dtype, host), measuring it on a miss or when
+    a quick check of c(1) no longer agrees with it (``still_holds``). Returns (model, measured_now)."""
     key = host_key(target, target.device, target.dtype)
     path = Path(cache_dir) / f"{hashlib.sha256(f'{key}|{context}|{sizes}'.encode()).hexdigest()[:16]}.json"
     if path.is_file():
         try:
             saved = json.loads(path.read_text())
             if saved.get("key") == key:
-                return CostModel(tuple(saved["sizes"]), tuple(saved["ms"]), saved["context"], key), False
+                cached = CostModel(tuple(saved["sizes"]), tuple(saved["ms"]), saved["context"], key)
+                if still_holds(target, cached):
+                    return cached, False
+                print("[infer] the cached cost curve no longer matches this host's c(1): measuring it again")
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             pass  # a damaged cache entry is measured again and overwritten
     model = measure(target, context, sizes, repeats)

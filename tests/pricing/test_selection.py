@@ -10,7 +10,7 @@ import pytest
 from infer.pricing.acceptance import AcceptanceStats, default_prior, head_source
 from infer.spec.candidates import chain_source
 from infer.spec.candidates import Candidates
-from infer.pricing.cost_model import CostModel, LiveCost, isotonic, load_or_measure, measure, size_bucket
+from infer.pricing.cost_model import CostModel, LiveCost, isotonic, load_or_measure, measure, size_bucket, still_holds
 from infer.pricing.budget import NodeBudget
 from infer.pricing.selection import expected_rate, path_values, select
 from infer.spec.tree import ROOT
@@ -187,6 +187,13 @@ def test_cost_is_measured_on_a_real_forward_and_cached_per_host(tmp_path):
     entry.write_text("{not json")
     _, fresh = load_or_measure(target, tmp_path, context=64, sizes=(1, 8, 64), repeats=3)
     assert fresh and json.loads(entry.read_text())["sizes"] == [1, 8, 64]
+    # a curve cached in a slow hour (every call 50x what it costs now) is measured again
+    saved = json.loads(entry.read_text())
+    entry.write_text(json.dumps({**saved, "ms": [50 * ms + 50 for ms in saved["ms"]]}))
+    stale = CostModel(tuple(saved["sizes"]), tuple(50 * ms + 50 for ms in saved["ms"]), 64)
+    assert not still_holds(target, stale) and still_holds(target, CostModel(tuple(saved["sizes"]), tuple(saved["ms"]), 64))
+    remeasured, fresh = load_or_measure(target, tmp_path, context=64, sizes=(1, 8, 64), repeats=3)
+    assert fresh and remeasured.ms[0] < 50
     assert measure(target, context=32, sizes=(1, 2), repeats=1).context == 32
 
 

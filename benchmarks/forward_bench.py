@@ -15,8 +15,6 @@ many rows a verification can afford) and writes JSON with the host.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ from infer.pricing.cost_model import verification_calls
 from schemafill import atomic
 from schemafill.device import host_summary
 from schemafill.runtime import Target, load_target
-from schemafill.timing import alternating_ms
+from schemafill.timing import alternating_ms, median_ms
 
 SIZES = (1, 4, 16, 32, 64)
 CONTEXTS = (128, 512, 1536)
@@ -34,26 +32,15 @@ CONTEXTS = (128, 512, 1536)
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """GB/s of reading a ``gib``-GiB fp32 tensor once (a ``sum``), median of ``repeats``."""
     x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / median_ms(x.sum, torch.device("cpu"), repeats) / 1e6
 
 
 def streamed_bytes(target: Target) -> int:
     """Bytes of the weights one forward reads: all but the input embedding, whose rows are
-    gathered (a tied LM head still reads it whole)."""
+    gathered (a tied LM head still reads it whole). ``parameters()`` yields a tied weight once."""
     embed = target.model.embed_tokens.weight
-    seen, total = set(), 0
-    for name, p in target.named_parameters():
-        if id(p) in seen or (p is embed and not target.config.tie_word_embeddings):
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
+    return sum(p.numel() * p.element_size() for p in target.parameters()
+               if p is not embed or target.config.tie_word_embeddings)
 
 
 def theirs(model, context: int, sizes: tuple[int, ...]) -> list:

@@ -143,18 +143,17 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
     budget = 60 * cfg.data.continuations.max_minutes
     # where a shard starts (past the first: a launch always makes some progress)
     opens = {k for k in range(1, len(stream)) if stream[k][0] != stream[k - 1][0]}
-    stopped = []
+    stopped = False
 
     def admit(k: int) -> bool:
-        if budget and k in opens and time.perf_counter() - clock["start"] > budget:
-            stopped.append(k)
-            return False
-        return True
+        nonlocal stopped
+        stopped = bool(budget) and k in opens and time.perf_counter() - clock["start"] > budget
+        return not stopped
 
     generate(target, tokenizer, [prompts[j] for _, j in stream], cfg.decode.max_new_tokens,
              cfg.data.continuations.batch_size, eos=eos, on_done=done, capture=capture,
              fmt=cfg.model.fmt, admit=admit)
-    return bool(stopped)
+    return stopped
 
 
 def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:

@@ -176,7 +176,7 @@ def still_holds(target: torch.nn.Module, cached: CostModel, tolerance: float = 0
                 repeats: int = 3) -> bool:
     """Whether a one-row call still costs what ``cached`` says, within ``tolerance`` (and
     ``floor_ms``, below which timings are noise): a curve cached in a busy or slow hour would
-    otherwise price every later launch on this host. Half a second on a small target."""
+    otherwise price every later launch on this host."""
     (call,) = verification_calls(target, cached.context, (1,))
     now = median_ms(call, target.device, repeats)
     return abs(now - cached(1)) <= max(tolerance * cached(1), floor_ms)

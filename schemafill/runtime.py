@@ -156,11 +156,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, arena: KVArena,
-                rows: torch.Tensor | None, slots: torch.Tensor, visibility: torch.Tensor,
-                spans: list[tuple[int, int]] | None, blocks: list[tuple[int, int, int]] | None = None
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: "ArenaCall | Packed"
                 ) -> torch.Tensor:
-        # x: [B, T, H]; cos, sin: [B, T, hd]; slots: [B, T]; visibility: [B, T, S]
+        # x: [B, T, H]; cos, sin: [B, T, hd]
         b, t, _ = x.shape
         hd = self.c.head_dim
         q = self.q_proj(x).view(b, t, -1, hd)
@@ -170,15 +168,64 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, Hq, T, hd]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
-        arena.write(layer, rows, slots, k, v)
-        if spans is None:
-            keys, values = arena.read(layer, rows, visibility.shape[-1])  # [B, Hkv, S, hd]
-            out = attend(q, keys, values, visibility, blocks, self.fold_groups)
-        else:  # ragged: each row reads only its own slots, straight from the arena
-            out = torch.cat([attend(q[b:b + 1], arena.k[layer][r:r + 1, :, :n], arena.v[layer][r:r + 1, :, :n],
-                                    visibility[b:b + 1, :, :n], fold_groups=self.fold_groups)
-                             for b, (r, n) in enumerate(spans)])
+        out = kv(layer, q, k, v, self.fold_groups)  # [B, Hq, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@dataclass(frozen=True)
+class ArenaCall:
+    """Where a batch-row call's keys and values go and what its tokens attend to
+    (``Target.forward``): batch row b writes to arena row ``rows[b]``."""
+
+    arena: KVArena
+    rows: torch.Tensor | None  # [B] (None: rows 0..B-1)
+    slots: torch.Tensor  # [B, T]
+    visibility: torch.Tensor  # [B, T, S]
+    spans: list[tuple[int, int]] | None
+    blocks: list[tuple[int, int, int]] | None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
+        arena, visibility = self.arena, self.visibility
+        arena.write(layer, self.rows, self.slots, k, v)
+        if self.spans is None:
+            keys, values = arena.read(layer, self.rows, visibility.shape[-1])  # [B, Hkv, S, hd]
+            return attend(q, keys, values, visibility, self.blocks, fold)
+        # ragged: each row reads only its own slots, straight from the arena
+        return torch.cat([attend(q[b:b + 1], arena.k[layer][r:r + 1, :, :n], arena.v[layer][r:r + 1, :, :n],
+                                 visibility[b:b + 1, :, :n], fold_groups=fold) for b, (r, n) in enumerate(self.spans)])
+
+
+@dataclass(frozen=True)
+class Part:
+    """One request's rows of a packed call (``Target.packed``): rows ``[start, start + T)``
+    write their keys and values to ``slots`` of the request's own arena (row 0) and attend
+    to its slots under ``visibility``; no row sees another request's."""
+
+    arena: KVArena
+    start: int
+    slots: torch.Tensor  # [T]
+    visibility: torch.Tensor  # [T, S]: S ≤ the arena's capacity
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.slots.shape[0]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """The attention of a packed call: each part over its own arena, in query blocks on a CPU."""
+
+    parts: list[Part]
+    blocks: list[list[tuple[int, int, int]] | None]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
+        outs = []
+        for part, blocks in zip(self.parts, self.blocks):
+            a, b = part.start, part.stop
+            part.arena.write(layer, None, part.slots[None], k[:, :, a:b], v[:, :, a:b])
+            keys, values = part.arena.read(layer, None, part.visibility.shape[-1])  # [1, Hkv, S, hd]
+            outs.append(attend(q[:, :, a:b], keys, values, part.visibility[None], blocks, fold))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 class DecoderLayer(nn.Module):
@@ -253,17 +300,33 @@ class Target(nn.Module):
         different widths (a prompt's causal rows, SIDE rows far past MAIN's) skips most of
         the masked-out work. A GPU attends in one call: there a launch costs more than the
         masked work it would save, and reading the mask back would stall the launch queue."""
+        blocks = query_blocks(reach(visibility), self.block_overhead()) \
+            if spans is None and visibility.device.type == "cpu" else None
+        return self._run(tokens, positions, ArenaCall(arena, rows, write_slots, visibility, spans, blocks), logits_at)
+
+    @torch.inference_mode()
+    def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
+               logits_at: torch.Tensor | None = None) -> Forward:
+        """Several requests' rows in one forward: tokens, positions: [N], the parts' rows one
+        after another; logits_at: [K] indices into N. Every projection runs once over all N
+        rows; each part attends over its own arena (``Part``). Returns a batch of one:
+        logits [1, K, V], aux [1, N, 3·H], final [1, K, H]."""
+        cpu = tokens.device.type == "cpu"
+        overhead = self.block_overhead()
+        blocks = [query_blocks(reach(p.visibility[None]), overhead) if cpu else None for p in parts]
+        return self._run(tokens[None], positions[None], Packed(parts, blocks),
+                         None if logits_at is None else logits_at[None])
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, kv: ArenaCall | Packed,
+             logits_at: torch.Tensor | None) -> Forward:
         c = self.config
         x = self.model.embed_tokens(tokens)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
-        blocks = query_blocks(reach(visibility), self.block_overhead()) \
-            if spans is None and visibility.device.type == "cpu" else None
         saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in c.aux_layer_ids:
                 saved[i] = x
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, arena, rows, write_slots, visibility, spans,
-                                    blocks)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, kv)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]

@@ -139,6 +139,8 @@ def decode_ar(target, tokenizer, prompt, max_new_tokens, eos, sampler=None, cons
 class Drafts:
     """A test drafter with ``draft(tokens, new_aux) -> (tokens, parents)`` as a loop proposer."""
 
+    drafted = False
+
     def __init__(self, drafter) -> None:
         self.drafter = drafter
 

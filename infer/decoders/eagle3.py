@@ -8,15 +8,16 @@ from __future__ import annotations
 from infer.decoders.context import DecoderContext
 from infer.decoders.method import Method
 from infer.pricing.budget import NodeBudget
-from infer.proposers.head import EAGLE_DEFAULTS, HeadDrafter, TreeBudget
+from infer.proposers.head import EAGLE_DEFAULTS, HeadDrafter, HeadTimes, TreeBudget
 from infer.spec.decoding import Runtime
 from infer.spec.loop import Proposing
 from schemafill.drafter import Eagle3Head
 
 
 def declare(rt: Runtime, head: Eagle3Head, tree: TreeBudget, budget: NodeBudget | None = None) -> Method:
-    drafter = HeadDrafter(head, tree, budget)  # the budget also prices the head's levels
-    return Method(rt, lambda request, prompt: Proposing(drafter, tree.total, budget), budget)
+    times = HeadTimes()  # the budget also prices the head's levels, by what they take here
+    return Method(rt, lambda request, prompt: Proposing(HeadDrafter(head, tree, budget, times), tree.total, budget),
+                  budget)
 
 
 def build(ctx: DecoderContext, method: str) -> Method:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from infer.decoders.context import DecoderContext
 from infer.decoders.method import Method
 from infer.pricing.budget import NodeBudget
-from infer.proposers.head import HeadDrafter
+from infer.proposers.head import HeadDrafter, HeadTimes
 from infer.slots.drafting import SchemaFillConfig, SideLedger, SlotDrafting
 from infer.spec.decoding import Runtime
 from schemafill.drafter import Eagle3Head
@@ -19,11 +19,11 @@ def declare(rt: Runtime, head: Eagle3Head, cfg: SchemaFillConfig, budget: NodeBu
             ledger: SideLedger | None = None) -> Method:
     """``ledger``: what the launch has measured of SIDE rows so far (a fresh one by default)."""
     budget, ledger = budget or NodeBudget(), ledger or SideLedger()
-    drafter = HeadDrafter(head, cfg.budget, budget)  # the budget also prices the head's levels
+    times = HeadTimes()  # the budget also prices the head's levels, by what they take here
 
     def drafting(request, prompt, groups=None, values=None):
-        return SlotDrafting(cfg, drafter, budget, ledger, request, prompt, rt.tokenizer, rt.eos, rt.fmt, groups,
-                            values)
+        return SlotDrafting(cfg, HeadDrafter(head, cfg.budget, budget, times), budget, ledger, request, prompt,
+                            rt.tokenizer, rt.eos, rt.fmt, groups, values)
 
     return Method(rt, drafting, budget)
 

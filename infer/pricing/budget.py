@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from infer.pricing.acceptance import AcceptanceStats, head_source
 from infer.spec.candidates import Candidates
 from infer.pricing.cost_model import CostModel, LiveCost
-from infer.pricing.selection import expected_rate, path_values, select
+from infer.pricing.selection import ALONE, Share, expected_rate, path_values, select
 
 if TYPE_CHECKING:
     from infer.spec.session import Verified
@@ -33,7 +33,6 @@ class NodeBudget:
     rate: float = 0.0  # committed tokens per ms the chosen sets were expected to bring (running mean)
     cost: LiveCost | None = field(init=False, default=None)
     head_gain: float | None = None  # the head's tokens on the accepted path per round it drafted (running mean)
-    head_round: bool = False  # the head drafted the round being verified
 
     def __post_init__(self) -> None:
         if self.fixed_host_ms is not None:
@@ -46,27 +45,29 @@ class NodeBudget:
     def active(self) -> bool:
         return self.cost is not None
 
-    def choose(self, cand: Candidates, fixed_rows: int = 1) -> Candidates:
+    def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE) -> Candidates:
         """The candidates this round verifies, with ``fixed_rows`` rows in the call regardless
-        (pending tokens, other segments)."""
+        (pending tokens, other segments) and ``share`` from the rest of the batch."""
         if self.cost is None or not len(cand):
             return cand
-        return cand.subset(self.keep(cand.parents, self.values(cand), fixed_rows))
+        return cand.subset(self.keep(cand.parents, self.values(cand), fixed_rows, share=share))
 
-    def keep(self, parents: list[int], values: list[float], fixed_rows: int, side: bool = False) -> list[int]:
+    def keep(self, parents: list[int], values: list[float], fixed_rows: int, side: bool = False,
+             share: Share = ALONE) -> list[int]:
         """``select`` against this budget's costs (of a call with SIDE rows when ``side``) and
         host time; the rate the kept set promises joins a running mean over rounds (what a
         drafter's next level must beat)."""
-        kept, r = self.best(parents, values, fixed_rows, side)
+        kept, r = self.best(parents, values, fixed_rows, side, share)
         self.commit(r)
         return kept
 
-    def best(self, parents: list[int], values: list[float], fixed_rows: int, side: bool = False
-             ) -> tuple[list[int], float]:
+    def best(self, parents: list[int], values: list[float], fixed_rows: int, side: bool = False,
+             share: Share = ALONE) -> tuple[list[int], float]:
         """``keep``'s choice and the rate it promises, without joining the running mean."""
-        cost = (lambda n: self.cost(n, side)) if self.cost is not None else None
-        kept = select(parents, values, cost, fixed_rows, self.host_ms)
-        return kept, expected_rate(values, kept, cost, fixed_rows, self.host_ms)
+        cost = (lambda n: self.cost(n + share.rows, side)) if self.cost is not None else None
+        base = 1.0 + share.tokens
+        kept = select(parents, values, cost, fixed_rows, self.host_ms, base=base)
+        return kept, expected_rate(values, kept, cost, fixed_rows, self.host_ms, base)
 
     def commit(self, rate: float) -> None:
         """The rate this round's chosen set promised joins the running mean."""
@@ -92,20 +93,17 @@ class NodeBudget:
             return True
         return self.head_gain >= self.rate * ms
 
-    def head_drafted(self) -> None:
-        self.head_round = True
-
     def values(self, cand: Candidates) -> list[float]:
         """Each node's chance to be on the accepted path, by the current estimates."""
         return path_values(cand.parents, self.stats.rates(cand.sources))
 
-    def observe(self, cand: Candidates, v: "Verified") -> None:
-        """What the verification of ``cand`` accepted, and what the call cost."""
+    def observe(self, cand: Candidates, v: "Verified", head_drafted: bool = False) -> None:
+        """What the verification of ``cand`` accepted (``head_drafted``: the head spent its time
+        on this round), and what the call cost."""
         self.stats.observe(cand.parents, cand.sources, v.accepted)
-        if self.head_round:
+        if head_drafted:
             gain = sum(cand.sources[i].startswith("head:") for i in v.accepted)
             self.head_gain = gain if self.head_gain is None else (1 - EMA) * self.head_gain + EMA * gain
-            self.head_round = False
         if self.cost is not None:
             self.cost.observe(v.rows, v.extra_rows > 0, v.ms)
 

@@ -16,13 +16,33 @@ along a path, and ties go to the shallower node), so one pass over the sorted no
 every size; that is SpecExec's and Sequoia's greedy, with the size chosen by measured cost
 instead of a fixed budget. Several trees (MAIN's and SIDE branches' segments) compete in
 one call by passing them as one forest whose values share the same currency.
+
+In a batch, one forward carries every request's rows: a request's nodes are priced as rows
+of that call (``Share``: the others' rows and expected tokens), so a node is kept only where
+its expected tokens beat what the batch's rows already bring per millisecond::
+
+    (1 + others' tokens + Σ_{kept} v) / (host_ms + cost(others' rows + fixed + |kept|))
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from infer.spec.tree import ROOT, depths
+
+
+@dataclass(frozen=True)
+class Share:
+    """The rest of a batched call, as one request prices its own rows: the other requests'
+    rows (what one more row costs depends on them) and the tokens they are expected to commit
+    (what the call brings besides this request's). Alone: nothing."""
+
+    rows: int = 0
+    tokens: float = 0.0
+
+
+ALONE = Share()
 
 
 def path_values(parents: list[int], p: list[float]) -> list[float]:
@@ -35,13 +55,15 @@ def path_values(parents: list[int], p: list[float]) -> list[float]:
 
 
 def select(parents: list[int], values: list[float], cost: Callable[[int], float], fixed_rows: int = 1,
-           host_ms: float = 0.0, max_nodes: int | None = None, keep: tuple[int, ...] = ()) -> list[int]:
+           host_ms: float = 0.0, max_nodes: int | None = None, keep: tuple[int, ...] = (), base: float = 1.0
+           ) -> list[int]:
     """The node indices (sorted, closed under ancestors) worth verifying this round.
 
     ``values``: ``path_values`` (the expected accepted tokens each node adds); ``cost(n)``: ms
     of a forward over n rows; ``fixed_rows``: rows the call carries whatever is chosen (the
     pending tokens, SIDE steps already decided); ``keep``: nodes that must stay (their
-    ancestors stay too), e.g. a chain the caller trusts more than its estimate.
+    ancestors stay too), e.g. a chain the caller trusts more than its estimate; ``base``: the
+    tokens the call commits whatever is chosen (the bonus token; in a batch, the others' too).
     """
     n = len(parents)
     depth = depths(parents)
@@ -56,20 +78,20 @@ def select(parents: list[int], values: list[float], cost: Callable[[int], float]
             forced.add(i)
             i = parents[i]
     order = sorted((i for i in range(n) if i not in forced), key=lambda i: (-v[i], depth[i], i))
-    base = sum(v[i] for i in forced)
+    forced_gain = sum(v[i] for i in forced)
     rows = fixed_rows + len(forced)
-    best_k, best = 0, (1.0 + base) / (host_ms + cost(max(rows, 1)))
-    gain = base
+    best_k, best = 0, (base + forced_gain) / (host_ms + cost(max(rows, 1)))
+    gain = forced_gain
     limit = len(order) if max_nodes is None else max(0, min(len(order), max_nodes - len(forced)))
     for k in range(1, limit + 1):
         gain += v[order[k - 1]]
-        rate = (1.0 + gain) / (host_ms + cost(rows + k))
+        rate = (base + gain) / (host_ms + cost(rows + k))
         if rate > best:
             best_k, best = k, rate
     return sorted(forced | set(order[:best_k]))
 
 
 def expected_rate(values: list[float], kept: list[int], cost: Callable[[int], float], fixed_rows: int = 1,
-                  host_ms: float = 0.0) -> float:
+                  host_ms: float = 0.0, base: float = 1.0) -> float:
     """Expected committed tokens per ms of verifying ``kept`` (what ``select`` maximises)."""
-    return (1.0 + sum(values[i] for i in kept)) / (host_ms + cost(fixed_rows + len(kept)))
+    return (base + sum(values[i] for i in kept)) / (host_ms + cost(fixed_rows + len(kept)))

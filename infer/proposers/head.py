@@ -78,24 +78,34 @@ class LevelPrice(Protocol):
     def head_worth(self, ms: float) -> bool:
         """Is drafting this round (``ms`` of head time) worth what the head's drafts bring?"""
 
-    def head_drafted(self) -> None:
-        """The head drafts this round (its accepted tokens are measured when it is verified)."""
-
 
 # the paper's SchemaFill budget, and EAGLE's own defaults
 SCHEMAFILL_BUDGET = TreeBudget(topk=3, depth=2, total=8)  # the paper's: 8 draft tokens, top-k 3
 EAGLE_DEFAULTS = TreeBudget(topk=10, depth=5, total=60)  # EAGLE's published defaults
 
 
+@dataclass
+class HeadTimes:
+    """What a launch has measured of its head's drafting on this host, shared by its requests'
+    drafters: running means of one level past the first and of a round (0: not measured yet)."""
+
+    level_ms: float = 0.0
+    round_ms: float = 0.0
+
+
 class HeadDrafter:
-    def __init__(self, head: Eagle3Head, budget: TreeBudget, price: LevelPrice | None = None) -> None:
+    """One request's drafting with the head (its head KV arena and catch-up state); a launch's
+    requests share the head, its pricing and its ``HeadTimes``."""
+
+    def __init__(self, head: Eagle3Head, budget: TreeBudget, price: LevelPrice | None = None,
+                 times: HeadTimes | None = None) -> None:
         self.head, self.budget, self.price = head, budget, price  # price None: every level is drafted
+        self.times = times or HeadTimes()
         self.device = head.fc.weight.device
         self.draft_to_target = head.draft_to_target.tolist()
         self.arena = None
         self.done = 0  # head KV holds positions [0, done)
-        self.level_ms = 0.0  # running mean of one level past the first (0: not measured yet)
-        self.round_ms = 0.0  # running mean of a round's drafting (catch-up and levels)
+        self.drafted = False  # the head drafted the latest proposal
         self.skipped = 0  # rounds skipped in a row
         self.waiting: list[torch.Tensor] = []  # target features of skipped rounds, for the next catch-up
         self.forwards, self.ms = 0, 0.0  # this request's head forwards and their milliseconds (with the logits)
@@ -152,9 +162,10 @@ class HeadDrafter:
     def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None) -> Candidates:
         """The draft tree, each node tagged with the bucket of the head's own probability for it
         (given its parent): what cost-aware selection reads as its acceptance estimate."""
-        price = self.price
-        if price is not None and self.done and self.skipped < SKIP_AT_MOST and self.round_ms \
-                and not price.head_worth(self.round_ms):
+        price, times = self.price, self.times
+        self.drafted = False
+        if price is not None and self.done and self.skipped < SKIP_AT_MOST and times.round_ms \
+                and not price.head_worth(times.round_ms):
             self.waiting.append(new_aux)
             self.skipped += 1
             return Candidates()
@@ -164,9 +175,8 @@ class HeadDrafter:
         before = self.ms
         tree, parents, q = self.scored(tokens, new_aux, depth)
         ms = self.ms - before
-        self.round_ms = ms if not self.round_ms else (1 - LEVEL_EMA) * self.round_ms + LEVEL_EMA * ms
-        if price is not None:
-            price.head_drafted()
+        times.round_ms = ms if not times.round_ms else (1 - LEVEL_EMA) * times.round_ms + LEVEL_EMA * ms
+        self.drafted = True
         return Candidates(tree, parents, [head_source(x) for x in q])
 
     @torch.inference_mode()
@@ -226,8 +236,9 @@ class HeadDrafter:
         slot = n + 1
         for d in range(1, b.depth if depth is None else min(depth, b.depth)):
             f_nodes = sorted(frontier, key=lambda i: (-score[i], i))[: b.topk]
-            if price is not None and self.level_ms and not price.level_worth(sum(chance[i] for i in f_nodes),
-                                                                             self.level_ms):
+            times = self.times
+            if price is not None and times.level_ms and not price.level_worth(sum(chance[i] for i in f_nodes),
+                                                                              times.level_ms):
                 break
             started = time.perf_counter()
             span = slot + len(f_nodes)
@@ -249,7 +260,7 @@ class HeadDrafter:
             forwards += 1
             frontier = expand(f_nodes, outs, [score[i] for i in f_nodes])
             ms = 1e3 * (time.perf_counter() - started)
-            self.level_ms = ms if not self.level_ms else (1 - LEVEL_EMA) * self.level_ms + LEVEL_EMA * ms
+            times.level_ms = ms if not times.level_ms else (1 - LEVEL_EMA) * times.level_ms + LEVEL_EMA * ms
 
         self._count(forwards, drafting)
         chosen: set[int] = set()

@@ -15,6 +15,7 @@ from schemafill.config import NgramConfig
 @dataclass(frozen=True)
 class NgramProposer:
     cfg: NgramConfig
+    drafted = False  # no model of its own: lookups cost next to nothing
 
     def start(self, s: MainSession) -> None:
         pass

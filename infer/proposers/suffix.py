@@ -42,6 +42,8 @@ class SuffixMemory:
 class SuffixProposer:
     """One request's drafts: its own prompt-and-response tree, and the launch's response tree."""
 
+    drafted = False  # no model of its own
+
     def __init__(self, cfg: SuffixConfig, responses: SuffixTree | None, key: str) -> None:
         self.cfg, self.responses, self.key = cfg, responses, key
         self.local = SuffixTree(cfg.max_tree_depth)

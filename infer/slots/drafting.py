@@ -61,6 +61,7 @@ from typing import Any
 
 from infer.pricing.acceptance import PRIOR_STRENGTH
 from infer.pricing.budget import NodeBudget
+from infer.pricing.selection import ALONE, Share
 from infer.proposers.head import HeadDrafter, TreeBudget
 from infer.proposers.lookup import copy_matches
 from infer.slots.align import current_call, rebind, rebind_by_keys, written_keys
@@ -224,20 +225,21 @@ class SlotDrafting(Drafting):
         side.draft(stepping, self.drafter, s.prompt_aux)
         with self.timed("other"):
             extra, owners = side.segments(open_new=self._sides_pay())
-        return Proposal(cand, extra, owners)
+        return Proposal(cand, extra, owners, self.drafter.drafted)
 
-    def select(self, s: MainSession, p: Proposal) -> Proposal:
+    def select(self, s: MainSession, p: Proposal, share: Share = ALONE) -> Proposal:
         """The MAIN nodes and SIDE steps worth their cost this round, chosen together: MAIN's
         by their chance to be accepted, a SIDE step's rows by the ledger's return on SIDE rows,
         its head-drafted second row by how often SIDE drafts hold; MAIN's nodes alone compete
         against MAIN and SIDE together. New SIDE contexts (opened only while SIDE rows pay)
         always go. The current call's steps compete too: on a CPU a call of a few rows costs
-        what one row does, so keeping them regardless would hold every round at several rows."""
+        what one row does, so keeping them regardless would hold every round at several rows.
+        In a batch, they are rows of the call ``share`` describes."""
         cand, extra, owners = p.cand, p.extra, p.owners
         steps = self.side.steps(owners)
         fixed = s.pending + sum(len(seg.tokens) for seg, step in zip(extra, steps) if not step)
         if not self.budget.active:
-            return Proposal(self.budget.choose(cand, fixed), extra, owners)
+            return Proposal(self.budget.choose(cand, fixed, share), extra, owners, p.head_drafted)
         parents, values = list(cand.parents), self.budget.values(cand)
         worth, draft_rate = self.ledger.per_row, self.budget.stats.rate(SIDE_DRAFT)
         first_rows = []
@@ -247,11 +249,11 @@ class SlotDrafting(Drafting):
                 for r in range(len(seg.tokens)):
                     parents.append(ROOT if r == 0 else len(parents) - 1)
                     values.append(worth if r == 0 else worth * draft_rate)
-        kept, rate = self.budget.best(parents, values, fixed, side=bool(extra))
+        kept, rate = self.budget.best(parents, values, fixed, bool(extra), share)
         if any(steps) and all(steps):
             # a call without SIDE rows may cost less than its row count says (their private
             # contexts are attended apart): MAIN's nodes alone compete as a whole
-            alone, solo = self.budget.best(cand.parents, values[:len(cand)], fixed, side=False)
+            alone, solo = self.budget.best(cand.parents, values[:len(cand)], fixed, False, share)
             if solo > rate:
                 kept, rate = alone, solo
         self.budget.commit(rate)
@@ -260,10 +262,10 @@ class SlotDrafting(Drafting):
         rows = [len(seg.tokens) if first is None else sum(first + r in kept for r in range(len(seg.tokens)))
                 for seg, first in zip(extra, first_rows)]
         extra, owners = self.side.trim(extra, owners, rows)
-        return Proposal(main, extra, owners)
+        return Proposal(main, extra, owners, p.head_drafted)
 
     def observe(self, s: MainSession, p: Proposal, v: Verified) -> None:
-        self.budget.observe(p.cand, v)
+        self.budget.observe(p.cand, v, p.head_drafted)
         self.ledger.rows += sum(len(seg.tokens) for seg in p.extra)
         self.ledger.credit += sum(p.cand.sources[i].startswith(SIDE_CHAIN) for i in v.accepted)
         for seg, step, choices in zip(p.extra, self.side.steps(p.owners), v.extra_choices):

@@ -1,4 +1,5 @@
-"""The round loop every method runs: draft → select → verify → commit, until the response stops.
+"""The round loop every method runs: draft → select → verify → commit, until the response stops,
+for one request or a batch of them.
 
 A method is a declaration of its proposers and its policy: a ``Drafting`` per request says
 what goes with the prompt's prefill (``first``), what each round proposes (``draft``),
@@ -19,10 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from infer.pricing.selection import ALONE, Share
 from infer.spec.candidates import Candidates
 from infer.spec.decoding import Decoded, DecodeOptions, Runtime
+from infer.spec.forward import Call, run
 from infer.spec.phases import Phases
 from infer.spec.session import MainSession, Segment, Verified
+from schemafill.runtime import Target
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Proposal:
     cand: Candidates = field(default_factory=Candidates)
     extra: list[Segment] = field(default_factory=list)
     owners: list[Any] = field(default_factory=list)
+    head_drafted: bool = False  # a drafter model spent its time on this round (its worth is measured)
 
     @property
     def nodes(self) -> int:
@@ -43,9 +48,9 @@ class Proposal:
 class Pricing(Protocol):
     """What selection needs to learn (``pricing/budget.NodeBudget``)."""
 
-    def choose(self, cand: Candidates, fixed_rows: int = 1) -> Candidates: ...
+    def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE) -> Candidates: ...
 
-    def observe(self, cand: Candidates, v: Verified) -> None: ...
+    def observe(self, cand: Candidates, v: Verified, head_drafted: bool = False) -> None: ...
 
     def host(self, ms: float) -> None: ...
 
@@ -72,17 +77,18 @@ class Drafting:
         """This round's candidates."""
         return Proposal()
 
-    def select(self, s: MainSession, p: Proposal) -> Proposal:
-        """The candidates worth their cost (all of them without ``pricing``)."""
+    def select(self, s: MainSession, p: Proposal, share: Share = ALONE) -> Proposal:
+        """The candidates worth their cost (all of them without ``pricing``), as rows of a call
+        that also carries ``share`` (the rest of the batch)."""
         if self.pricing is None:
             return p
-        return Proposal(self.pricing.choose(p.cand, fixed_rows=s.pending + sum(len(x.tokens) for x in p.extra)),
-                        p.extra, p.owners)
+        return Proposal(self.pricing.choose(p.cand, s.pending + sum(len(x.tokens) for x in p.extra), share),
+                        p.extra, p.owners, p.head_drafted)
 
     def observe(self, s: MainSession, p: Proposal, v: Verified) -> None:
         """What a round's verification says about the proposal (not called for the prefill)."""
         if self.pricing is not None:
-            self.pricing.observe(p.cand, v)
+            self.pricing.observe(p.cand, v, p.head_drafted)
 
     def settle(self, s: MainSession, p: Proposal, v: Verified) -> None:
         """After every target call, the prefill's too: the method's state follows the commit."""
@@ -95,6 +101,8 @@ class Drafting:
 class Proposer(Protocol):
     """One source of MAIN drafts, asked every round (the EAGLE-3 head, n-gram lookup, a
     suffix tree, ...)."""
+
+    drafted: bool  # its own model drafted the last proposal (a head: priced by what its drafts bring)
 
     def start(self, s: MainSession) -> None: ...
 
@@ -114,41 +122,152 @@ class Proposing(Drafting):
         self.proposer.start(s)
 
     def draft(self, s: MainSession) -> Proposal:
-        return Proposal(self.proposer.propose(s))
+        cand = self.proposer.propose(s)
+        return Proposal(cand, head_drafted=self.proposer.drafted)
 
     def finish(self, s: MainSession) -> dict[str, Any]:
         return self.proposer.finish(s)
 
 
 LOOP_PHASES = ("initialisation", "drafting", "verification", "other")
+TOKENS_EMA = 0.2  # weight of a request's newest round in its tokens per round (what its share brings)
+
+
+class Stream:
+    """One request in the round loop: its session, its method's policy, and the call under way.
+    ``error`` holds what ended it early (a client that went away, a failing proposer); the
+    batch goes on without it."""
+
+    def __init__(self, rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> None:
+        self.drafting = drafting
+        self.phases = Phases(*LOOP_PHASES)
+        self.phases.add(*drafting.phases)
+        self.s = MainSession(rt.target, prompt, options.response_stop(rt.tokenizer, rt.eos, rt.max_new_tokens, rt.fmt),
+                             scratch=drafting.scratch, side_capacity=drafting.side_capacity, sampler=options.sampler,
+                             constraint=options.constraint)
+        with self.phases("other"):
+            drafting.start(self.s, self.phases)
+        self.prefilled = False
+        self.proposal = Proposal()
+        self.init_nodes = 0
+        self.rows = 1  # rows of its latest call (what it will likely add to the next one)
+        self.tokens = 1.0  # committed tokens per round, running mean
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.prefilled and self.s.done
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens whose KV is still to compute (0 once prefilled)."""
+        return 0 if self.prefilled else len(self.s.prompt) - self.s.n_kv
+
+    def next_call(self, share: Share = ALONE, prefill_tokens: int | None = None) -> Call | None:
+        """This round's call: a piece of the prompt (when more than ``prefill_tokens`` of it are
+        left; None when none may go this round), the prefill with the method's first proposal,
+        or the round's selected draft."""
+        s, d = self.s, self.drafting
+        if not self.prefilled:
+            if prefill_tokens is not None and self.prompt_left > prefill_tokens:
+                return s.chunk_call(prefill_tokens) if prefill_tokens > 0 else None
+            with self.phases("other"):
+                self.proposal = p = d.first(s)
+            call = s.prefill_call(p.cand.tokens, p.cand.parents, p.extra)
+        else:
+            with self.phases("drafting"):
+                self.proposal = p = d.select(s, d.draft(s), share)
+            call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
+        self.rows = call.rows
+        return call
+
+    def take(self, call: Call, out, seconds: float) -> None:
+        """Read this request's share of the round's forward (``seconds`` long) and let the
+        method learn from it."""
+        s, d, p = self.s, self.drafting, self.proposal
+        phase = "verification" if call.kind == "verify" else "initialisation"  # Table 5 leaves the prefill out
+        self.phases.charge(phase, seconds)
+        with self.phases(phase):
+            v = s.take(call, out)
+        if call.kind == "chunk":
+            return
+        with self.phases("other"):
+            if call.kind == "verify":
+                d.observe(s, p, v)
+                self.tokens = (1 - TOKENS_EMA) * self.tokens + TOKENS_EMA * v.committed
+            else:
+                self.prefilled, self.init_nodes = True, p.nodes
+            d.settle(s, p, v)
+
+    def decoded(self) -> Decoded:
+        return self.s.decoded(init_nodes=self.init_nodes, times=self.phases.times, **self.drafting.finish(self.s))
+
+
+class Batch:
+    """Requests decoding together: each ``step`` is one round, one target forward for all of
+    them (module docstring). ``prefill_tokens``: prompt tokens a round may carry while some
+    request decodes (a lone request, or a batch still all prefilling, takes whole prompts)."""
+
+    def __init__(self, target: Target, prefill_tokens: int = 256) -> None:
+        self.target, self.prefill_tokens = target, prefill_tokens
+        self.streams: list[Stream] = []
+        self.since: float | None = None  # when the last forward ended: host time is priced from there
+        self.last_rows = 0  # rows of the latest forward
+
+    def add(self, stream: Stream) -> None:
+        self.streams.append(stream)
+
+    def step(self) -> list[Stream]:
+        """One round for every request; returns those that ended in it (done, or with ``error``)."""
+        streams = [st for st in self.streams if not st.done]
+        budget = self.prefill_tokens if any(st.prefilled for st in streams) else None
+        calls: list[tuple[Stream, Call]] = []
+        # prompts first (their rows are known), then each request's draft priced with the rest of the call
+        for st in sorted(streams, key=lambda st: st.prefilled):
+            try:
+                call = st.next_call(self._share(st, streams, calls), budget)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                st.error = e
+                continue
+            if call is not None:
+                calls.append((st, call))
+                if budget is not None and not st.prefilled:
+                    budget -= call.rows
+        if calls:
+            if self.since is not None:
+                host = 1e3 * (time.perf_counter() - self.since)
+                for st, call in calls:
+                    if call.kind == "verify" and st.drafting.pricing is not None:
+                        st.drafting.pricing.host(host)
+            start = time.perf_counter()
+            outs = run(self.target, [call for _, call in calls])
+            seconds = time.perf_counter() - start
+            self.since, self.last_rows = time.perf_counter(), outs[0].rows
+            for (st, call), out in zip(calls, outs):
+                try:
+                    st.take(call, out, seconds)
+                except Exception as e:  # noqa: BLE001 - e.g. the client went away (``on_commit`` raised)
+                    st.error = e
+        ended = [st for st in self.streams if st.done]
+        self.streams = [st for st in self.streams if not st.done]
+        return ended
+
+    @staticmethod
+    def _share(me: Stream, streams: list[Stream], calls: list[tuple[Stream, Call]]) -> Share:
+        """The rest of this round's call as ``me`` selects: the calls built so far, and what the
+        requests still to draft added last round."""
+        built = {id(st) for st, _ in calls}
+        rows = sum(c.rows for st, c in calls) + sum(st.rows for st in streams if st is not me and id(st) not in built)
+        tokens = sum(st.tokens if st.prefilled else float(not st.prompt_left) for st in streams if st is not me)
+        return Share(rows, tokens)
 
 
 def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> Decoded:
     """One request, round by round, until its response stops (closed, EOS or the cap)."""
-    phases = Phases(*LOOP_PHASES)
-    phases.add(*drafting.phases)
-    s = MainSession(rt.target, prompt, options.response_stop(rt.tokenizer, rt.eos, rt.max_new_tokens, rt.fmt),
-                    scratch=drafting.scratch, side_capacity=drafting.side_capacity, sampler=options.sampler,
-                    constraint=options.constraint)
-    with phases("other"):
-        drafting.start(s, phases)
-        p = drafting.first(s)
-    with phases("initialisation"):  # the paper's Table 5 leaves the prefill out of its phases
-        v = s.prefill(p.cand.tokens, p.cand.parents, p.extra)
-    init_nodes = p.nodes
-    with phases("other"):
-        drafting.settle(s, p, v)
-    pricing = drafting.pricing
-    since = time.perf_counter()  # host time between target calls is what selection prices
-    while not s.done:
-        with phases("drafting"):
-            p = drafting.select(s, drafting.draft(s))
-        if pricing is not None:
-            pricing.host(1e3 * (time.perf_counter() - since))
-        with phases("verification"):
-            v = s.verify(p.cand.tokens, p.cand.parents, p.extra)
-        since = time.perf_counter()
-        with phases("other"):
-            drafting.observe(s, p, v)
-            drafting.settle(s, p, v)
-    return s.decoded(init_nodes=init_nodes, times=phases.times, **drafting.finish(s))
+    batch, stream = Batch(rt.target), Stream(rt, prompt, options, drafting)
+    batch.add(stream)
+    while batch.streams:
+        batch.step()
+    if stream.error is not None:
+        raise stream.error
+    return stream.decoded()

@@ -22,6 +22,10 @@ class Phases:
         for name in names:
             self.times.setdefault(name, 0.0)
 
+    def charge(self, name: str, seconds: float) -> None:
+        """Add time spent elsewhere to a phase (a batch's shared forward)."""
+        self.times[name] += seconds
+
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         if name not in self.times:

@@ -16,7 +16,6 @@ At temperature > 0 the target's choice at each MAIN node is a draw from its dist
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +26,7 @@ from infer.spec.decoding import Decoded
 from infer.spec.sampling import Sampler
 from infer.spec.commit import commit
 from infer.spec.tree import depths, prune
+from infer.spec.forward import Call, Output, run_alone
 from infer.spec.verify import chain_and_tree, choose, with_segments
 from schemafill.runtime import Target
 from schemafill.stopping import ResponseStop
@@ -100,6 +100,7 @@ class MainSession:
     new_aux: torch.Tensor | None = None  # [M, 3H] target features of the newest committed positions
     prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
     prompt_final: torch.Tensor | None = None  # [H] the target's final hidden state there (ToolSpec's retrieval key)
+    _prompt_aux: list[torch.Tensor] = field(default_factory=list)  # [n, 3H] of prompt pieces prefilled so far
 
     def __post_init__(self) -> None:
         self.layout = ArenaLayout(len(self.prompt), self.stop.max_new_tokens, self.scratch, self.side_capacity)
@@ -130,20 +131,33 @@ class MainSession:
                        nodes=c.nodes, kv_rows=c.peak_rows, forced=c.forced, pruned=c.pruned, call_rows=c.call_rows,
                        call_ms=c.call_ms, **extra)
 
-    def prefill(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Verified:
-        """The prompt, optionally with a MAIN tree hanging off its last token and extra
-        segments, in one target call; commits the greedy path and the first correction."""
+    # ---- the calls a request makes: built here, run by ``forward.run`` (alone or packed with
+    # other requests' calls), read back by ``take``
+    def chunk_call(self, n: int) -> Call:
+        """The prompt's next ``n`` tokens, KV only (a prefill in pieces, so a long prompt joins
+        a batch without stalling it); the last prompt token always waits for ``prefill_call``."""
         p = len(self.prompt)
-        tree_tokens, parents, index, allowed = self._admit(list(tree_tokens), list(parents))
-        pos = list(range(p)) + [p - 1 + d for d in depths(parents)]
-        visible = chain_and_tree(0, p, parents)
-        return self._run(self.prompt + tree_tokens, pos, list(range(p + len(tree_tokens))), visible, p - 1,
-                         tree_tokens, parents, index, allowed, extra, prefill=True)
+        n = min(n, p - 1 - self.n_kv)
+        if n < 1:
+            raise ValueError(f"no prompt tokens left to prefill in pieces ({self.n_kv} of {p} done)")
+        a = self.n_kv
+        return Call(self, "chunk", self.prompt[a:a + n], list(range(a, a + n)), list(range(a, a + n)),
+                    chain_and_tree(a, n, []), [])
 
-    def verify(self, tree_tokens: list[int], parents: list[int], extra: list[Segment] = ()) -> Verified:
-        """One target call over the pending tokens plus a MAIN draft tree hanging off the last
-        of them (and extra segments). Pending is one token (the last correction), and more
-        when the grammar forced tokens after it: they go in as a chain."""
+    def prefill_call(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Call:
+        """The rest of the prompt, optionally with a MAIN tree hanging off its last token and
+        extra segments; its result commits the greedy path and the first correction."""
+        p, a = len(self.prompt), self.n_kv
+        tree_tokens, parents, index, allowed = self._admit(list(tree_tokens), list(parents))
+        pos = list(range(a, p)) + [p - 1 + d for d in depths(parents)]
+        visible = chain_and_tree(a, p - a, parents)
+        return self._call("prefill", self.prompt[a:] + tree_tokens, pos, list(range(a, p + len(tree_tokens))),
+                          visible, p - 1, tree_tokens, parents, index, allowed, list(extra))
+
+    def verify_call(self, tree_tokens: list[int], parents: list[int], extra: list[Segment] = ()) -> Call:
+        """The pending tokens plus a MAIN draft tree hanging off the last of them (and extra
+        segments). Pending is one token (the last correction), and more when the grammar
+        forced tokens after it: they go in as a chain."""
         if len(tree_tokens) > self.scratch:
             raise ValueError(f"a tree of {len(tree_tokens)} nodes exceeds the session's scratch of {self.scratch}")
         tree_tokens, parents, index, allowed = self._admit(list(tree_tokens), list(parents))
@@ -152,8 +166,16 @@ class MainSession:
         L = len(chain)
         pos = list(range(n, n + L)) + [n + L - 1 + d for d in depths(parents)]
         visible = chain_and_tree(n, L, parents)
-        return self._run(chain + tree_tokens, pos, list(range(n, n + L + m)), visible, n + L - 1,
-                         tree_tokens, parents, index, allowed, extra, prefill=False)
+        return self._call("verify", chain + tree_tokens, pos, list(range(n, n + L + m)), visible, n + L - 1,
+                          tree_tokens, parents, index, allowed, list(extra))
+
+    def prefill(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Verified:
+        """``prefill_call`` run alone."""
+        return self.take(*run_alone(self.target, self.prefill_call(tree_tokens, parents, extra)))
+
+    def verify(self, tree_tokens: list[int], parents: list[int], extra: list[Segment] = ()) -> Verified:
+        """``verify_call`` run alone."""
+        return self.take(*run_alone(self.target, self.verify_call(tree_tokens, parents, extra)))
 
     def _admit(self, tree_tokens: list[int], parents: list[int]) -> tuple[list[int], list[int], list[int],
                                                                           torch.Tensor | None]:
@@ -179,65 +201,74 @@ class MainSession:
             self.tokens.append(t)
             self.counts.forced += 1
 
-    def _run(self, tokens: list[int], positions: list[int], slots: list[int], visible: torch.Tensor, root_slot: int,
-             tree_tokens: list[int], parents: list[int], index: list[int], allowed: torch.Tensor | None,
-             extra: list[Segment], prefill: bool) -> Verified:
-        """Append the extra segments, run the target once, commit MAIN's chosen path."""
-        start = time.perf_counter()
+    def _call(self, kind: str, tokens: list[int], positions: list[int], slots: list[int], visible: torch.Tensor,
+              root_slot: int, tree_tokens: list[int], parents: list[int], index: list[int],
+              allowed: torch.Tensor | None, extra: list[Segment]) -> Call:
+        """Append the extra segments; the rows whose logits are read: no token before the root
+        needs them (at prefill this skips the prompt's LM head: for the built-in target, 28M
+        of its 135M weights, about a fifth of the prefill), nor does a SIDE context's prefix
+        before its last token, whose choice starts the value."""
         main_rows = visible.shape[0]
         mask = with_segments(visible, extra)
-        rows = mask.shape[0]
         for seg in extra:
             tokens = tokens + seg.tokens
             positions = positions + seg.positions
             slots = slots + seg.slots
-        dev = self.device
-        # no token before the root needs logits: at prefill this skips the prompt's LM head
-        # (for the built-in target, 28M of its 135M weights: about a fifth of the prefill);
-        # nor does a SIDE context's prefix before its last token, whose choice starts the value
         first = main_rows - len(tree_tokens) - 1
         at, r = list(range(first, main_rows)), main_rows
         for seg in extra:
             r += len(seg.tokens)
             at += range(r - seg.deciding, r)
-        f = self.target(torch.tensor(tokens, device=dev)[None], torch.tensor(positions, device=dev)[None],
-                        mask.to(dev)[None], torch.tensor(slots, device=dev)[None], self.arena,
-                        logits_at=torch.tensor(at, device=dev)[None] if len(at) < rows else None)
-        logits = f.logits[0]  # [len(at), V]: the root, MAIN's tree, then the extra segments' deciding nodes
+        return Call(self, kind, tokens, positions, slots, mask, at, root_slot, tree_tokens, parents, index, allowed,
+                    extra, main_rows)
+
+    def take(self, call: Call, out: Output) -> Verified | None:
+        """Read this request's share of a target call: after a prompt piece, its KV is in; after
+        a prefill or a verification, MAIN's chosen path is committed (the ``Verified``)."""
+        if call.kind == "chunk":
+            self._prompt_aux.append(out.aux)
+            self.n_kv += len(call.tokens)
+            return None
+        prefill, tree_tokens, parents, extra, main_rows = \
+            call.kind == "prefill", call.tree_tokens, call.parents, call.extra, call.main_rows
+        logits, aux = out.logits, out.aux  # [len(at), V]: the root, MAIN's tree, the extra deciding nodes; [T, 3H]
+        first = main_rows - len(tree_tokens) - 1
+        rows = len(call.tokens)
         base = self.side_base
         side = {s for seg in extra for see in seg.visible for s in see if s >= base}
-        self.counts.call(rows - main_rows + len(tree_tokens), max(slots[:main_rows]) + 1 + len(side))
+        self.counts.call(rows - main_rows + len(tree_tokens), max(call.slots[:main_rows]) + 1 + len(side))
         first_tree = first + 1  # index of the first MAIN tree node in this call
         # the root and MAIN's tree [1 + m, V]: each node chooses among what the grammar allows
         # after its path, greedily or by an independent draw (exact speculative sampling)
-        main_choice = choose(logits[: main_rows - first], allowed, self.sampler)
+        main_choice = choose(logits[: main_rows - first], call.allowed, self.sampler)
         side_choice = logits[main_rows - first:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
-        ms = 1e3 * (time.perf_counter() - start)  # the choices are on the host: the device has finished
         self.counts.call_rows.append(rows)
-        self.counts.call_ms.append(round(ms, 3))
-        done = commit(tree_tokens, parents, main_choice, self.stop.push, allowed)
-        accepted, taken = done.accepted, done.taken
-        base = root_slot + 1  # committed MAIN continues right after the root
-        self.arena.move(0, [slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])
+        self.counts.call_ms.append(round(out.ms, 3))
+        done = commit(tree_tokens, parents, main_choice, self.stop.push, call.allowed)
+        accepted = done.accepted
+        base = call.root_slot + 1  # committed MAIN continues right after the root
+        self.arena.move(0, [call.slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])
         if self.constraint is not None:
             self.constraint.advance(done.tokens)
         self.counts.forced += done.forced
-        new = done.tokens
+        on_path = aux[list(range(first_tree)) + [first_tree + i for i in accepted]]  # [L+A, 3H]
         if prefill:
-            self.prompt_aux = f.aux[0, len(self.prompt) - 1]
-            self.prompt_final = f.final[0, 0]
-            self.tokens = list(self.prompt) + new
-            self.new_aux = f.aux[0, list(range(len(self.prompt))) + [first_tree + i for i in accepted]]
+            p = len(self.prompt)
+            self.prompt_aux = aux[p - 1 - call.positions[0]]
+            self.prompt_final = out.final[0]
+            self.tokens = list(self.prompt) + done.tokens
+            self.new_aux = torch.cat([*self._prompt_aux, on_path]) if self._prompt_aux else on_path
+            self._prompt_aux = []
         else:
-            self.tokens += new
-            self.new_aux = f.aux[0, list(range(first_tree)) + [first_tree + i for i in accepted]]  # [L+A, 3H]
+            self.tokens += done.tokens
+            self.new_aux = on_path
         self.n_kv = base + len(accepted)
         self._force()
         extra_choices, extra_aux, r, c = [], [], main_rows, 0
         for seg in extra:
             extra_choices.append(side_choice[c:c + seg.deciding])
-            extra_aux.append(f.aux[0, r:r + len(seg.tokens)])
+            extra_aux.append(aux[r:r + len(seg.tokens)])
             r, c = r + len(seg.tokens), c + seg.deciding
-        return Verified(accepted=[index[i] for i in accepted], correction=done.correction, committed=taken,
-                        extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=tokens[first:main_rows],
-                        main_logits=logits[: main_rows - first], rows=rows, extra_rows=rows - main_rows, ms=ms)
+        return Verified(accepted=[call.index[i] for i in accepted], correction=done.correction, committed=done.taken,
+                        extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=call.tokens[first:main_rows],
+                        main_logits=logits[: main_rows - first], rows=out.rows, extra_rows=out.extra_rows, ms=out.ms)

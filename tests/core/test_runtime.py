@@ -133,6 +133,41 @@ def test_batched_rows_and_logits_at():
     assert arena.k[0][1].abs().sum() == 0  # arena row 1 was never written
 
 
+def test_packed_requests_attend_only_to_their_own_arenas():
+    """Three requests in one packed call — a prompt's prefill, a one-token step, a two-node
+    tree — each over its own arena: every row's logits and each arena's keys equal what the
+    request computes alone, and no request's rows reach another's arena."""
+    from schemafill.runtime import Part
+
+    target = from_hf_model(hf_model("llama", seed=4))
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(0, VOCAB, (n,), generator=g) for n in (7, 12, 5))
+    arenas = [target.new_arena(1, 24) for _ in range(3)]
+    causal_rows = lambda n, w: torch.ones(n, w, dtype=torch.bool).tril(w - n)  # noqa: E731
+    # b and c have their first tokens in their arenas already
+    for arena, seq in ((arenas[1], b[:11]), (arenas[2], c[:4])):
+        n = len(seq)
+        target(seq[None], torch.arange(n)[None], causal_rows(n, n)[None], torch.arange(n)[None], arena)
+    tree = torch.zeros(3, 7, dtype=torch.bool)  # c's last token, then two sibling drafts after it
+    tree[:, :5] = True
+    tree[1, 5] = tree[2, 6] = True  # each draft sees c and itself, not its sibling
+    drafts = torch.randint(0, VOCAB, (2,), generator=g)
+    parts = [Part(arenas[0], 0, torch.arange(7), causal_rows(7, 7)),
+             Part(arenas[1], 7, torch.tensor([11]), causal_rows(1, 12)),
+             Part(arenas[2], 8, torch.tensor([4, 5, 6]), tree)]
+    tokens = torch.cat([a, b[11:], c[4:], drafts])
+    positions = torch.cat([torch.arange(7), torch.tensor([11]), torch.tensor([4, 5, 5])])
+    out = target.packed(tokens, positions, parts, logits_at=torch.tensor([6, 7, 8, 9, 10]))
+    refs = [causal(target, seq[None])[0].logits[0, -1] for seq in
+            (a, b, c, torch.cat([c, drafts[:1]]), torch.cat([c, drafts[1:]]))]
+    for i, ref in enumerate(refs):
+        assert torch.allclose(out.logits[0, i], ref, atol=1e-4), i
+    _, alone = causal(target, a[None], capacity=24)
+    for layer in range(target.config.num_layers):
+        assert torch.allclose(arenas[0].k[layer][0, :, :7], alone.k[layer][0, :, :7], atol=1e-5)
+        assert arenas[0].k[layer][0, :, 7:].abs().sum() == 0  # nothing else was written there
+
+
 def test_unsupported_family_is_named():
     from transformers import GPT2Config
 

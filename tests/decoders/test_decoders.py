@@ -130,25 +130,15 @@ class Refusing:
     def head_worth(self, ms: float) -> bool:
         return True
 
-    def head_drafted(self) -> None:
-        pass
-
 
 class Skipping(Refusing):
-    """A price that finds the head itself not worth drafting, and counts the rounds it drafts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.drafted = 0
+    """A price that finds the head itself not worth drafting."""
 
     def level_worth(self, gain: float, ms: float) -> bool:
         return True
 
     def head_worth(self, ms: float) -> bool:
         return False
-
-    def head_drafted(self) -> None:
-        self.drafted += 1
 
 
 def test_the_head_stops_growing_its_tree_where_a_level_is_not_worth_its_time():
@@ -164,12 +154,12 @@ def test_the_head_stops_growing_its_tree_where_a_level_is_not_worth_its_time():
     drafter.begin(32)
     # a level's time is not known until one is drafted: the second level is, then the price is asked
     deep = drafter.candidates(prompt + [7], aux)
-    assert len(deep) == 3 + 9 and drafter.level_ms > 0 and len(price.asked) == 1
+    assert len(deep) == 3 + 9 and drafter.times.level_ms > 0 and len(price.asked) == 1
     drafter.begin(32)
     shallow = drafter.candidates(prompt + [7], aux)
     assert shallow.parents == [ROOT] * 3  # the first level only: the root's top-3
     gain, ms = price.asked[-1]
-    assert 0 < gain <= 1.0 and ms == drafter.level_ms  # the root's children's chances sum to at most 1
+    assert 0 < gain <= 1.0 and ms == drafter.times.level_ms  # the root's children's chances sum to at most 1
     drafter.price = None
     drafter.begin(32)
     assert len(drafter.candidates(prompt + [7], aux)) == 3 + 9 + 9  # no price: the budget's depth (3 fed a level)
@@ -191,15 +181,17 @@ def test_a_head_not_worth_its_time_skips_rounds_and_catches_up_on_all_it_skipped
     for d in (every, skipping):
         d.begin(64)
     p = 8  # the prompt; then one committed token a round: round r's features are position p + r - 1's
-    trees = []
+    trees, drafted = [], 0
     for r in range(SKIP_AT_MOST + 3):
         new = aux[: p] if r == 0 else aux[p + r - 1: p + r]
         expect = every.candidates(tokens[: p + r + 1], new)
         got = skipping.candidates(tokens[: p + r + 1], new)
         trees.append(len(got))
+        drafted += skipping.drafted
+        assert skipping.drafted == (len(got) > 0)
         if len(got):  # a round it drafts: the same tree as a head that never skipped
             assert (got.tokens, got.parents, got.sources) == (expect.tokens, expect.parents, expect.sources)
     # the first round always drafts (SIDE drafts read its prompt entries), then SKIP_AT_MOST
     # skipped rounds, then one to keep measuring
     assert [n > 0 for n in trees] == [True] + [False] * SKIP_AT_MOST + [True, False]
-    assert price.drafted == 2
+    assert drafted == 2

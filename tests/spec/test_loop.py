@@ -38,9 +38,9 @@ class Recording(loop.Drafting):
         self.steps.append("draft")
         return loop.Proposal(self._next(s))
 
-    def select(self, s, p):
+    def select(self, s, p, share=loop.ALONE):
         self.steps.append("select")
-        return super().select(s, p)
+        return super().select(s, p, share)
 
     def observe(self, s, p, v):
         self.steps.append("observe")

@@ -1,6 +1,6 @@
 """A method as a launch holds it: the runtime, the per-request policy its declaration builds,
-and what it keeps across requests. Every method decodes through the one round loop
-(``spec/loop.decode``)."""
+and what it keeps across requests. Every method decodes through the one round loop, alone
+(``decode``) or as one request of a batch (``stream``, ``spec/loop.Batch``)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ class Method:
                **hints: Any) -> Decoded:
         """``hints`` reach the method's policy (SchemaFill's given forecast and values)."""
         return loop.decode(self.rt, prompt, options, self.drafting(request, prompt, **hints))
+
+    def stream(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions(),
+               **hints: Any) -> loop.Stream:
+        """The request as one member of a ``loop.Batch`` (its KV arena is allocated now)."""
+        return loop.Stream(self.rt, prompt, options, self.drafting(request, prompt, **hints))
 
     def reset(self) -> None:
         """Forget what was learnt from earlier requests (a launch's measured pass starts here)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from infer.pricing.selection import ALONE, Share
 from infer.spec.candidates import Candidates
@@ -271,3 +271,20 @@ def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Dra
     if stream.error is not None:
         raise stream.error
     return stream.decoded()
+
+
+def decode_all(target: Target, streams: Iterable[Callable[[], Stream]], concurrency: int, prefill_tokens: int = 256
+               ) -> Iterator[tuple[int, Stream]]:
+    """Requests decoded ``concurrency`` at a time, each made (its arena allocated) only as it
+    joins: yields ``(index, stream)`` as each ends, in the order they end."""
+    batch, pending, index = Batch(target, prefill_tokens), iter(enumerate(streams)), {}
+    while True:
+        while len(batch.streams) < concurrency and (nxt := next(pending, None)) is not None:
+            i, make = nxt
+            stream = make()
+            index[id(stream)] = i
+            batch.add(stream)
+        if not batch.streams:
+            return
+        for stream in batch.step():
+            yield index.pop(id(stream)), stream

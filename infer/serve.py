@@ -4,8 +4,8 @@
 
 ``POST /v1/chat/completions`` (``messages``, ``tools``, ``tool_choice``, ``temperature``,
 ``top_p``, ``seed``, ``max_tokens``, ``stream``), ``GET /v1/models``, ``GET /health`` and
-``GET /metrics`` (Prometheus). The target and head load once; requests decode one at a
-time (``infer/serving/engine.py``). ``tool_choice: required`` or a named function decodes
+``GET /metrics`` (Prometheus). The target and head load once; up to ``max_batch`` requests
+decode together, one target forward per round (``infer/serving/engine.py``). ``tool_choice: required`` or a named function decodes
 under the response grammar, so the call always parses and validates; ``auto`` decodes
 free; ``none`` returns the response as content. Answers are the decoders' own tokens:
 lossless methods answer exactly what greedy AR would. ``run(cfg) -> dict`` serves until
@@ -29,7 +29,7 @@ def run(cfg: ServeConfig) -> dict:
 
     engine = Engine(cfg)
     print(f"[serve] models {list(engine.models)} (methods {list(engine.decoders)}) on "
-          f"http://{cfg.host}:{cfg.port}/v1; one decode at a time, {cfg.queue_size} may wait")
+          f"http://{cfg.host}:{cfg.port}/v1; up to {cfg.max_batch} decode together, {cfg.queue_size} more may wait")
     try:
         uvicorn.run(create_app(engine), host=cfg.host, port=cfg.port, log_level="info")
     finally:

@@ -363,9 +363,13 @@ class ServeConfig:
     head: str | None = None  # exported EAGLE-3 head; default: <artifacts>/heads/<model>
     host: str = "127.0.0.1"
     port: int = 8000
-    # one request decodes at a time (batch 1: the decoders keep per-launch state); this many
-    # more may wait for it, and a request beyond them is answered 503 at once
+    # requests decoded together, one target forward per round for all of them (continuous
+    # batching: they join and leave between rounds); 8 on 2 CPU cores (docs/benchmarks.md)
+    max_batch: int = 8
+    # this many more may wait for a place, and a request beyond them is answered 503 at once
     queue_size: int = 8
+    # prompt tokens a round may carry while others decode: a long prompt joins in pieces
+    prefill_tokens: int = 256
     warmup: bool = True  # decode one small request per method before accepting any (untimed start-up costs)
     device: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -375,6 +379,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.queue_size < 0:
             raise ValueError(f"queue_size must be 0 or more, got {self.queue_size}")
+        if self.max_batch < 1 or self.prefill_tokens < 1:
+            raise ValueError(f"max_batch and prefill_tokens must be at least 1, got {self.max_batch} and "
+                             f"{self.prefill_tokens}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0-65535, got {self.port}")
 

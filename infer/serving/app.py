@@ -33,7 +33,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, e: Exception) -> JSONResponse:  # never takes the server down
@@ -43,7 +43,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "models": list(engine.models), "outstanding": engine.outstanding,
-                "queue_size": engine.cfg.queue_size}
+                "decoding": engine.decoding, "max_batch": engine.cfg.max_batch, "queue_size": engine.cfg.queue_size}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,11 +1,14 @@
 """The server's decoding side: the target, tokenizer and decoders loaded once, a bounded
-queue in front of them, one decode at a time, and the Prometheus metrics of what it did.
+queue in front of them, one batch decoding on one worker thread, and the Prometheus
+metrics of what it did.
 
-Batch 1: every decoder keeps per-launch state (its head's KV arena, node budget, what the
-learning peers remember), so requests take turns on one worker thread. A request that
-cannot wait (``queue_size`` already waiting) is refused with 503 at once; a request whose
-client went away is dropped before its turn or stopped at its next round
-(``DecodeOptions.on_commit`` raises ``Cancelled``), so it frees its place either way.
+Continuous batching (``infer/spec/loop.Batch``): up to ``max_batch`` requests decode
+together, whatever their methods, one target forward per round for all of them; a waiting
+request joins between rounds as soon as one leaves, its prompt in pieces of
+``prefill_tokens`` while the others decode. ``queue_size`` more may wait; a request beyond
+them is refused with 503 and a ``Retry-After`` at once. A request whose client went away is
+dropped before it joins, or leaves the batch at the next round (its rows and KV arena
+freed), so it gives its place back either way.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -23,6 +27,7 @@ from infer.decoders.context import DecoderContext
 from infer.serving.protocol import APIError, ChatRequest
 from infer.spec.constraint import SchemaGrammars
 from infer.spec.decoding import Decoded, DecodeOptions
+from infer.spec.loop import Batch, Stream
 from infer.spec.options import request_options
 from schemafill.config import ServeConfig
 from schemafill.device import resolve_device
@@ -43,6 +48,8 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
+    future: Future = field(default_factory=Future)
+    on_commit: Callable[[list[int]], None] | None = None
 
 
 class ServeMetrics:
@@ -66,6 +73,9 @@ class ServeMetrics:
         self.queue_seconds = Histogram("schemafill_queue_seconds", "Time a request waited for the decoder",
                                        ["method"], buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 4, 8, 16, 32), registry=r)
         self.queue_depth = Gauge("schemafill_queue_depth", "Requests decoding or waiting", registry=r)
+        self.batch_size = Gauge("schemafill_batch_size", "Requests in the latest round's forward", registry=r)
+        self.round_rows = Histogram("schemafill_round_rows", "Rows of each round's target forward (every request's)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
 
     def decoded(self, job: Job, d: Decoded, seconds: float) -> None:
         m = job.chat.method
@@ -109,14 +119,19 @@ class Engine:
         self.models = {name: cfg.method, **{f"{name}:{m}": m for m in methods}}  # model id -> method
         self._grammars: SchemaGrammars | None = None
         self.metrics = ServeMetrics()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schemafill-decode")
-        self._lock = threading.Lock()
+        self.batch = Batch(self.target, cfg.prefill_tokens)
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
         self._live: dict[int, Job] = {}  # submitted and not done, by id
+        self._jobs: dict[int, Job] = {}  # decoding, by their stream's id
+        self._closed = False
         self.created = int(time.time())
         if cfg.warmup:
             for decoder in self.decoders.values():
                 decoder.decode(WARMUP, self.prompt(WARMUP), DecodeOptions())
                 decoders.reset(decoder)  # the learning peers start from what clients send, not the warm-up
+        self.worker = threading.Thread(target=self._work, name="schemafill-decode", daemon=True)
+        self.worker.start()
 
     # ---- a request, ready to decode
     def prompt(self, request: ToolRequest) -> list[int]:
@@ -155,48 +170,112 @@ class Engine:
     @property
     def outstanding(self) -> int:
         """Requests decoding or waiting whose client is still there (a job whose client went
-        away gives its place back at once, though the worker drops it only on its turn)."""
-        with self._lock:
+        away gives its place back at once, though the worker drops it only at its next round)."""
+        with self._cond:
             return sum(not j.cancel.is_set() for j in self._live.values())
 
+    @property
+    def decoding(self) -> int:
+        """Requests in the batch."""
+        with self._cond:
+            return len(self._jobs)
+
     def submit(self, job: Job, on_commit: Callable[[list[int]], None] | None = None) -> Future:
-        """Queue ``job``; refuse it (503) when ``queue_size`` requests already wait."""
-        if self.outstanding >= 1 + self.cfg.queue_size:
-            self.metrics.requests.labels(job.chat.method, "503").inc()
-            raise APIError(503, f"the server is busy: one request is decoding and {self.cfg.queue_size} are "
-                                "waiting (queue_size); retry shortly", code="server_busy", kind="server_error")
-        with self._lock:
+        """Queue ``job`` for the batch; refuse it (503) when ``max_batch`` decode and
+        ``queue_size`` wait already."""
+        cfg = self.cfg
+        with self._cond:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", code="server_busy", kind="server_error")
+            if sum(not j.cancel.is_set() for j in self._live.values()) >= cfg.max_batch + cfg.queue_size:
+                self.metrics.requests.labels(job.chat.method, "503").inc()
+                raise APIError(503, f"the server is busy: {cfg.max_batch} requests are decoding and "
+                                    f"{cfg.queue_size} are waiting (max_batch, queue_size); retry shortly",
+                               code="server_busy", kind="server_error", retry_after=1)
+            job.on_commit = on_commit
             self._live[id(job)] = job
-        try:
-            future = self.executor.submit(self._decode, job, on_commit)
-        except RuntimeError:  # shut down
-            self._release(job)
-            raise APIError(503, "the server is shutting down", code="server_busy", kind="server_error") from None
-        future.add_done_callback(lambda _: self._release(job))  # also when the future is cancelled unrun
+            self._waiting.append(job)
+            self._cond.notify()
         self.metrics.queue_depth.set(self.outstanding)
-        return future
+        return job.future
 
-    def _release(self, job: Job) -> None:
-        with self._lock:
-            self._live.pop(id(job), None)
-        self.metrics.queue_depth.set(self.outstanding)
+    def _work(self) -> None:
+        """The worker: admit waiting jobs into the batch, run a round, answer the ones that ended."""
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self.batch.streams:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                admit = []
+                while self._waiting and len(self.batch.streams) + len(admit) < self.cfg.max_batch:
+                    admit.append(self._waiting.popleft())
+            for job in admit:
+                self._join(job)
+            for stream in self.batch.streams:
+                if self._jobs[id(stream)].cancel.is_set() and stream.error is None:
+                    stream.error = Cancelled()  # leaves at this round: its rows and arena go with it
+            if not self.batch.streams:
+                continue
+            self.metrics.batch_size.set(len(self.batch.streams))
+            try:
+                ended = self.batch.step()
+            except Exception as e:  # noqa: BLE001 - the forward itself failed: every request in it does
+                ended = list(self.batch.streams)
+                self.batch.streams.clear()
+                for stream in ended:
+                    stream.error = e
+            if self.batch.last_rows:
+                self.metrics.round_rows.observe(self.batch.last_rows)
+            for stream in ended:
+                self._end(self._jobs.pop(id(stream)), stream)
+        for job in [*self._waiting, *(self._jobs.values())]:  # shut down: nobody is left waiting forever
+            self._finish(job, error=APIError(503, "the server is shutting down", code="server_busy",
+                                             kind="server_error"))
 
-    def _decode(self, job: Job, on_commit: Callable[[list[int]], None] | None) -> Decoded:
-        if job.cancel.is_set():
-            raise Cancelled()
+    def _join(self, job: Job) -> None:
+        """``job`` becomes one request of the batch (its session and arena are made now)."""
+        if job.cancel.is_set() or not job.future.set_running_or_notify_cancel():
+            self._finish(job, error=Cancelled())
+            return
         job.started_at = time.perf_counter()
         self.metrics.queue_seconds.labels(job.chat.method).observe(job.started_at - job.queued_at)
 
         def commit(ids: list[int]) -> None:
             if job.cancel.is_set():
                 raise Cancelled()
-            if on_commit is not None:
-                on_commit(ids)
+            if job.on_commit is not None:
+                job.on_commit(ids)
 
-        decoded = self.decoders[job.chat.method].decode(job.chat.request, job.prompt,
-                                                        replace(job.options, on_commit=commit))
+        try:
+            stream = self.decoders[job.chat.method].stream(job.chat.request, job.prompt,
+                                                            replace(job.options, on_commit=commit))
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+            self._finish(job, error=e)
+            return
+        self._jobs[id(stream)] = job
+        self.batch.add(stream)
+
+    def _end(self, job: Job, stream: Stream) -> None:
+        if stream.error is not None:
+            self._finish(job, error=stream.error)
+            return
+        decoded = stream.decoded()
         self.metrics.decoded(job, decoded, time.perf_counter() - job.queued_at)
-        return decoded
+        self._finish(job, decoded)
+
+    def _finish(self, job: Job, decoded: Decoded | None = None, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._live.pop(id(job), None)
+        self.metrics.queue_depth.set(self.outstanding)
+        if job.future.done():
+            return
+        if not job.future.running() and not job.future.set_running_or_notify_cancel():
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(decoded)
 
     def text(self, ids: list[int], final: bool = False) -> str:
         """The response text an answer is made of, the same for every prefix a stream sees and
@@ -206,4 +285,7 @@ class Engine:
         return text if final else text.rstrip("\ufffd")
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self.worker.join(timeout=60)

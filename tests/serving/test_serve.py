@@ -32,7 +32,7 @@ TARGET = ["model.finetune=false", "model.aux_layer_ids=[1,2,3]", "decode.max_new
 def served(tiny_target, tiny_head, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("serve")
     cfg = to_dataclass(compose([f"model.source={tiny_target}", f"head={tiny_head}", f"paths.artifacts={tmp}",
-                                f"decode.cost_cache={tmp / 'cost'}", "methods=[ar,eagle3]", "queue_size=2", *TARGET],
+                                f"decode.cost_cache={tmp / 'cost'}", "methods=[ar,eagle3]", "max_batch=2", "queue_size=2", *TARGET],
                                config_name="serve"), ServeConfig)
     engine = Engine(cfg)
     with BackgroundServer(engine) as server:
@@ -192,8 +192,9 @@ def metric(text: str, name: str, **labels) -> float:
 
 
 def test_bounded_load_answers_or_refuses_every_request_and_loses_none(served, client, requests):
-    """8 clients x 4 requests at once, one in four streamed and one in four bad: each is answered (its own
-    answer, as a lone request gets it), refused with 503, or refused as bad; none is lost."""
+    """8 clients x 4 requests at once against 2 decoding and 2 waiting, one in four streamed and one in
+    four bad: each is answered (its own answer, as a lone request gets it), refused with 503, or
+    refused as bad; none is lost."""
     url = served[1].url
     expected = {i: client.chat.completions.create(model=MODEL, messages=r.messages, tools=r.tools,
                                                   max_tokens=16).choices[0].message.model_dump()
@@ -214,7 +215,7 @@ def test_bounded_load_answers_or_refuses_every_request_and_loses_none(served, cl
                 results.append((k, *stream_post(url, body)))
             else:
                 res = post(url, body)
-                results.append((k, res.status_code, res.json()))
+                results.append((k, res.status_code, {**res.json(), "retry_after": res.headers.get("retry-after")}))
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
     for t in threads:
@@ -228,6 +229,7 @@ def test_bounded_load_answers_or_refuses_every_request_and_loses_none(served, cl
     print(f"load: {len(ok)} answered, {len(busy)} refused 503, {len(bad)} bad refused 4xx")
     assert len(ok) + len(busy) + len(bad) == 32 and ok and busy and all(400 <= s < 500 for s in bad)
     assert all(b["error"]["code"] == "server_busy" for b in busy)
+    assert all(b["retry_after"] == "1" for b in busy if "retry_after" in b)  # a 503 says when to come back
     for k, body in ok:  # each its own answer: nothing mixed up between concurrent requests
         assert body["choices"][0]["message"]["content"] == expected[k]["content"]
     assert len({body["id"] for _, body in ok}) == len(ok)

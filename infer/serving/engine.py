@@ -73,7 +73,8 @@ class ServeMetrics:
         self.queue_seconds = Histogram("schemafill_queue_seconds", "Time a request waited for the decoder",
                                        ["method"], buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 4, 8, 16, 32), registry=r)
         self.queue_depth = Gauge("schemafill_queue_depth", "Requests decoding or waiting", registry=r)
-        self.batch_size = Gauge("schemafill_batch_size", "Requests in the latest round's forward", registry=r)
+        self.batch_size = Histogram("schemafill_batch_size", "Requests in each round's target forward",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.round_rows = Histogram("schemafill_round_rows", "Rows of each round's target forward (every request's)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
 
@@ -217,7 +218,7 @@ class Engine:
                     stream.error = Cancelled()  # leaves at this round: its rows and arena go with it
             if not self.batch.streams:
                 continue
-            self.metrics.batch_size.set(len(self.batch.streams))
+            self.metrics.batch_size.observe(len(self.batch.streams))
             try:
                 ended = self.batch.step()
             except Exception as e:  # noqa: BLE001 - the forward itself failed: every request in it does

@@ -273,7 +273,8 @@ def test_models_health_and_metrics(served, client):
     assert httpx.get(url + "/health").json()["status"] == "ok"
     text = httpx.get(url + "/metrics").text
     for name in ("schemafill_requests_total", "schemafill_completion_tokens_total", "schemafill_target_calls_total",
-                 "schemafill_accept_length_bucket", "schemafill_request_seconds_bucket", "schemafill_queue_depth"):
+                 "schemafill_accept_length_bucket", "schemafill_request_seconds_bucket", "schemafill_queue_depth",
+                 "schemafill_batch_size_bucket", "schemafill_round_rows_bucket"):
         assert name in text
     assert metric(text, "schemafill_completion_tokens_total", method="schemafill") > 0
 
@@ -287,7 +288,8 @@ def test_help_names_the_endpoints_and_the_knobs():
     helped = subprocess.run([sys.executable, "infer/serve.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert helped.returncode == 0, helped.stderr[-2000:]
-    for words in ("POST /v1/chat/completions", "GET  /metrics", "queue_size", "tool_choice: auto", "port: 8000"):
+    for words in ("POST /v1/chat/completions", "GET  /metrics", "queue_size", "max_batch", "tool_choice: auto",
+                  "port: 8000"):
         assert words in helped.stdout
 
 

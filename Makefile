@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run full test test-full bench bench-forward serve serve-bench gpu-check gpu-project clean
+.PHONY: help setup run full test test-full bench bench-forward bench-concurrency serve serve-bench gpu-check gpu-project clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -67,8 +67,12 @@ serve: setup  ## the OpenAI-compatible endpoint on the built-in target, SchemaFi
 	$(BIN)/python infer/serve.py model=smollm2-135m method=schemafill methods=[ar,eagle3]
 
 SERVE_BENCH_LIMIT ?= 12
+CONCURRENCY_LIMIT ?= 16
 serve-bench: setup  ## in-process decode vs the HTTP path (whole and streamed), per method, same requests -> outputs/serve_bench.json
 	$(BIN)/python benchmarks/serve_bench.py --limit $(SERVE_BENCH_LIMIT) --methods ar,eagle3,schemafill
+
+bench-concurrency: setup  ## 1, 4, 8 and 16 clients of one batching server, per method: tok/s, p50/p95 latency, same answers -> outputs/bench/concurrency.json (+ .png)
+	$(BIN)/python benchmarks/concurrency_bench.py --limit $(CONCURRENCY_LIMIT)
 
 gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
 	$(BIN)/python benchmarks/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json

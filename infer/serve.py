@@ -19,21 +19,23 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from infer.serving.app import create_app
+from infer.serving.app import BackgroundServer
 from infer.serving.engine import Engine
 from schemafill.config import ServeConfig, register_configs, to_dataclass
 
 
 def run(cfg: ServeConfig) -> dict:
-    import uvicorn
-
     engine = Engine(cfg)
     print(f"[serve] models {list(engine.models)} (methods {list(engine.decoders)}) on "
           f"http://{cfg.host}:{cfg.port}/v1; up to {cfg.max_batch} decode together, {cfg.queue_size} more may wait")
-    try:
-        uvicorn.run(create_app(engine), host=cfg.host, port=cfg.port, log_level="info")
-    finally:
-        engine.close()
+    # HTTP on a thread, decoding on this one (``Engine.start`` says why); Ctrl-C stops both
+    with BackgroundServer(engine, cfg.host, cfg.port, log_level="info", decode_here=True):
+        try:
+            engine.run()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            engine.close()
     return {"models": list(engine.models), "url": f"http://{cfg.host}:{cfg.port}/v1"}
 
 

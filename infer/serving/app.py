@@ -150,15 +150,21 @@ async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue
 
 
 class BackgroundServer:
-    """A server on a thread of this process, on a free port (tests and the serve bench)."""
+    """A server on a thread of this process, on a free port (tests and the benches). The
+    engine's decode loop runs on a thread too unless ``decode_here``: then the caller runs
+    ``engine.run()`` on its main thread (``Engine.start`` says why that is faster)."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 decode_here: bool = False) -> None:
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level="warning"))
+        self.engine, self.decode_here = engine, decode_here
+        self.server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level=log_level))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "BackgroundServer":
+        if not self.decode_here:
+            self.engine.start()
         self.thread.start()
         deadline = time.time() + 60
         while not self.server.started:

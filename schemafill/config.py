@@ -337,6 +337,9 @@ class InferConfig:
     samples: int = 1  # decodes per request, each with its own seed (for temperature > 0)
     repeats: int = 1  # timed passes over the requests (each starts the learning methods afresh), pooled
     interleave: bool = True  # every method decodes a request before the next one (rotating order)
+    # requests decoded together, one target forward per round (continuous batching), method by
+    # method; TPS is then over the wall time. 1: one request at a time, methods interleaved
+    concurrency: int = 1
     device: str = "auto"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -350,6 +353,8 @@ class InferConfig:
             raise ValueError("samples > 1 repeats identical greedy decodes: set decode.temperature > 0")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
         if self.sample not in ("spread", "first"):
             raise ValueError(f"sample must be spread or first, got {self.sample!r}")
 

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from infer import decoders
 from infer.decoders.context import DecoderContext
 from infer.eval.metrics import pooled
+from infer.spec import loop
 from infer.spec.constraint import SchemaGrammars, valid_response
 from infer.spec.decoding import DecodeOptions
 from infer.spec.options import request_options
@@ -48,7 +49,10 @@ def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferCon
     t0 = time.perf_counter()
     ids = model_prompt_ids(r, cfg.model, tokenizer)
     d = decoder.decode(r, ids, opts)
-    seconds = time.perf_counter() - t0
+    return _row(r, k, repeat, ids, d, time.perf_counter() - t0, cfg)
+
+
+def _row(r: ToolRequest, k: int, repeat: int, ids: list[int], d, seconds: float, cfg: InferConfig) -> dict:
     return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
             "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop, "nodes": d.nodes,
             "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows, "forced": d.forced,
@@ -56,8 +60,58 @@ def _decode(decoder, r: ToolRequest, k: int, repeat: int, options, cfg: InferCon
             "call_rows": d.call_rows, "call_ms": d.call_ms, "head_forwards": d.head_forwards, "head_ms": d.head_ms}
 
 
+def _decode_together(target, decoder, items: list, options, cfg: InferConfig, tokenizer) -> tuple[list[dict], float]:
+    """``items`` (repeat, request, sample) decoded ``cfg.concurrency`` at a time in one batch:
+    their rows (``seconds``: each request's latency, joining to end) and the wall seconds."""
+    started, prompts = {}, {}
+
+    def joining(i: int, r: ToolRequest, k: int):
+        def make():
+            started[i] = time.perf_counter()
+            prompts[i] = model_prompt_ids(r, cfg.model, tokenizer)
+            return decoder.stream(r, prompts[i], options(r, request_seed(cfg.decode.seed, r.id, k)))
+        return make
+
+    t0, rows = time.perf_counter(), {}
+    for i, stream in loop.decode_all(target, [joining(i, r, k) for i, (_, r, k) in enumerate(items)],
+                                     cfg.concurrency):
+        if stream.error is not None:
+            raise stream.error
+        p, r, k = items[i]
+        rows[i] = _row(r, k, p, prompts[i], stream.decoded(), time.perf_counter() - started[i], cfg)
+    return [rows[i] for i in range(len(items))], time.perf_counter() - t0
+
+
+def _decode_interleaved(methods: dict, items: list, outputs: dict, kept: list, options, cfg: InferConfig, tokenizer,
+                        ctx: DecoderContext) -> None:
+    """One request at a time, each decoded by every method before the next (their order
+    rotating), so a host that slows down or speeds up mid-launch shifts every method alike."""
+    blocks = [[(p, r, k, m) for m in methods] for p, r, k in items] if cfg.interleave else \
+        [[(p, r, k, m)] for m in methods for p, r, k in items]
+    bar = tqdm(total=len(items) * len(methods), desc="decode", unit="req", dynamic_ncols=True)
+    for b, block in enumerate(blocks):
+        shift = b % len(block)
+        order = block[shift:] + block[:shift]
+        # Parallel Fill fills AR's response of the same request: it goes after AR
+        order = [x for x in order if x[3] not in decoders.SKELETON_METHODS] + \
+            [x for x in order if x[3] in decoders.SKELETON_METHODS]
+        for p, r, k, method in order:
+            decoder = methods[method]
+            if r is kept[0] and k == 0:  # what a method learns across requests, it learns from this pass only
+                decoders.reset(decoder)
+            row = _decode(decoder, r, k, p, options, cfg, tokenizer)
+            outputs[method].append(row)
+            if method == "ar":  # the skeletons Parallel Fill fills
+                ctx.skeletons[r.id] = row
+            bar.update()
+    bar.close()
+
+
 def run(cfg: InferConfig) -> dict:
     decoders.check(cfg.methods, cfg.decode.temperature)
+    if cfg.concurrency > 1 and any(m in decoders.SKELETON_METHODS for m in cfg.methods):
+        raise ValueError(f"{decoders.SKELETON_METHODS} fill AR's skeletons one request at a time: drop them or set "
+                         f"concurrency=1")
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     target, tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
@@ -103,34 +157,20 @@ def run(cfg: InferConfig) -> dict:
             if method == "ar":
                 ctx.skeletons[r.id] = row
     outputs: dict[str, list[dict]] = {m: [] for m in methods}
-    # interleaved, each request decoded by every method before the next (their order rotating),
-    # so a host that slows down or speeds up mid-launch shifts every method alike
     items = [(p, r, k) for p in range(cfg.repeats) for r in kept for k in range(cfg.samples)]
-    blocks = [[(p, r, k, m) for m in methods] for p, r, k in items] if cfg.interleave else \
-        [[(p, r, k, m)] for m in methods for p, r, k in items]
-    bar = tqdm(total=len(items) * len(methods), desc="decode", unit="req", dynamic_ncols=True)
-    for b, block in enumerate(blocks):
-        shift = b % len(block)
-        order = block[shift:] + block[:shift]
-        # Parallel Fill fills AR's response of the same request: it goes after AR
-        order = [x for x in order if x[3] not in decoders.SKELETON_METHODS] + \
-            [x for x in order if x[3] in decoders.SKELETON_METHODS]
-        for p, r, k, method in order:
-            decoder = methods[method]
-            if r is kept[0] and k == 0:  # what a method learns across requests, it learns from this pass only
-                decoders.reset(decoder)
-            row = _decode(decoder, r, k, p, options, cfg, tokenizer)
-            outputs[method].append(row)
-            if method == "ar":  # the skeletons Parallel Fill fills
-                ctx.skeletons[r.id] = row
-            bar.update()
-    bar.close()
+    walls: dict[str, float] = {}
+    if cfg.concurrency > 1:  # method by method, each a batch of cfg.concurrency requests at a time
+        for method, decoder in tqdm(methods.items(), desc=f"decode x{cfg.concurrency}", unit="method"):
+            decoders.reset(decoder)
+            outputs[method], walls[method] = _decode_together(target, decoder, items, options, cfg, tokenizer)
+    else:
+        _decode_interleaved(methods, items, outputs, kept, options, cfg, tokenizer, ctx)
 
     # ---- metrics, pooled over requests
     # AR agreement is the lossless check at temperature 0; samples agree only in distribution
     greedy = cfg.decode.temperature == 0
     reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs and greedy else None
-    metrics = {m: pooled(rows, reference) for m, rows in outputs.items()}
+    metrics = {m: pooled(rows, reference, walls.get(m)) for m, rows in outputs.items()}
     for m, decoder in methods.items():
         budget = getattr(decoder, "budget", None)
         if budget is not None and getattr(budget, "stats", None) is not None:

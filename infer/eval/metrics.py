@@ -1,13 +1,16 @@
 """Per-method metrics pooled over requests (``metrics.json``; DESIGN §3's counters).
 
-AL is Σtokens / Σtarget calls, TPS Σtokens / Σseconds, AR agreement the share of requests
-whose tokens equal AR's (the lossless check at temperature 0).
+AL is Σtokens / Σtarget calls, TPS Σtokens / Σseconds (one request at a time) or Σtokens /
+the wall time (requests decoded together, ``concurrency`` > 1), AR agreement the share of
+requests whose tokens equal AR's (the lossless check at temperature 0).
 """
 
 from __future__ import annotations
 
 
-def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
+def pooled(rows: list[dict], reference: dict[str, list[int]] | None, wall: float | None = None) -> dict:
+    """``wall``: seconds the rows took together, when they were decoded in one batch (their
+    ``seconds`` are then latencies, which overlap)."""
     tokens = sum(len(r["output_ids"]) for r in rows)
     calls = sum(r["target_calls"] for r in rows)
     seconds = sum(r["seconds"] for r in rows)
@@ -23,7 +26,8 @@ def pooled(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
             "decided_al": (tokens - forced) / calls if calls else None, "forced": forced,
             "pruned": sum(r.get("pruned", 0) for r in rows),
             "valid_rate": sum(r["valid"] for r in rows) / len(rows) if rows and "valid" in rows[0] else None,
-            "tps": tokens / max(seconds, 1e-9), "ar_agreement": agree,
+            "tps": tokens / max(wall if wall is not None else seconds, 1e-9), "ar_agreement": agree,
+            "wall_seconds": None if wall is None else round(wall, 3),
             "tokens": tokens, "target_calls": calls, "seconds": round(seconds, 3), "requests": len(rows),
             "nodes_per_verify": sum(verifies) / max(len(verifies), 1),
             "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),

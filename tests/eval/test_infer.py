@@ -74,6 +74,26 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert result["metrics"] == metrics and set(result["rows"]) == set(metrics)
 
 
+def test_a_launch_at_a_concurrency_decodes_the_same_tokens_over_its_wall_time(tmp_path, tiny_target, tiny_head,
+                                                                               builtin_artifacts):
+    """``concurrency=3``: every method's requests decoded three at a time in one batch give the
+    same tokens as one at a time; TPS is over the wall time, shorter than the summed latencies."""
+    from infer.run import run
+
+    lines = (builtin_artifacts / "requests" / "bfcl450.jsonl").read_text().splitlines()[::60][:5]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    methods = "methods=[ar,eagle3,suffix,schemafill]"
+    alone = run(infer_cfg(tmp_path / "alone", tiny_target, tiny_head, requests, methods))["metrics"]
+    together = run(infer_cfg(tmp_path / "together", tiny_target, tiny_head, requests, methods, "concurrency=3"))
+    for m, v in together["metrics"].items():
+        assert v["ar_agreement"] == 1.0 and v["tokens"] == alone[m]["tokens"], m
+        assert alone[m]["wall_seconds"] is None and 0 < v["wall_seconds"] < v["seconds"], m
+        assert v["tps"] == pytest.approx(v["tokens"] / v["wall_seconds"], rel=1e-2)  # wall_seconds is rounded
+    with pytest.raises(ValueError, match="concurrency=1"):
+        run(infer_cfg(tmp_path / "pf", tiny_target, tiny_head, requests, "methods=[ar,parallel_fill]", "concurrency=2"))
+
+
 def test_unknown_method_and_bad_settings_are_named_before_any_model_loads(tmp_path, tiny_target, tiny_head):
     from infer.run import run
 

@@ -91,9 +91,11 @@ def plot(result: dict, path: Path, host: str) -> None:
         xs = [r["clients"] for r in runs]
         a.plot(xs, [r["tps"] for r in runs], marker="o", label=m)
         b.plot(xs, [r["p95_s"] for r in runs], marker="o", label=m)
+    levels = sorted({r["clients"] for runs in result.values() for r in runs})
     for ax, title in ((a, "completion tokens / s, all clients"), (b, "p95 request latency (s)")):
         ax.set_xlabel("concurrent clients")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(k) for k in levels])
         ax.set_title(title)
         ax.grid(alpha=0.3)
     a.legend()

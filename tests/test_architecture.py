@@ -19,7 +19,8 @@ ROOMS = ["infer.spec", "infer.pricing", "infer.proposers", "infer.slots", "infer
 TOP = {"infer.eval", "infer.serving"}  # above every room, and apart: neither imports the other
 ENTRIES = {"infer.run", "infer.serve", "train.run"}  # entry scripts: may import what they run
 PURE = {"infer.spec.tree", "infer.spec.verify", "infer.spec.commit", "infer.spec.sampling", "infer.spec.arena",
-        "infer.spec.candidates", "infer.pricing.selection", "infer.pricing.acceptance", "infer.proposers.lookup",
+        "infer.spec.candidates", "infer.spec.share", "infer.pricing.selection", "infer.pricing.acceptance",
+        "infer.proposers.lookup",
         "schemafill.losses"}
 
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from infer.pricing.acceptance import AcceptanceStats, head_source
 from infer.spec.candidates import Candidates
 from infer.pricing.cost_model import CostModel, LiveCost
-from infer.pricing.selection import ALONE, Share, expected_rate, path_values, select
+from infer.pricing.selection import expected_rate, path_values, select
+from infer.spec.share import ALONE, Share
 
 if TYPE_CHECKING:
     from infer.spec.session import Verified

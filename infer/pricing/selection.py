@@ -18,7 +18,7 @@ instead of a fixed budget. Several trees (MAIN's and SIDE branches' segments) co
 one call by passing them as one forest whose values share the same currency.
 
 In a batch, one forward carries every request's rows: a request's nodes are priced as rows
-of that call (``Share``: the others' rows and expected tokens), so a node is kept only where
+of that call (``infer/spec/share.Share``: the others' rows and expected tokens), so a node is kept only where
 its expected tokens beat what the batch's rows already bring per millisecond::
 
     (1 + others' tokens + Σ_{kept} v) / (host_ms + cost(others' rows + fixed + |kept|))
@@ -26,23 +26,9 @@ its expected tokens beat what the batch's rows already bring per millisecond::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from infer.spec.tree import ROOT, depths
-
-
-@dataclass(frozen=True)
-class Share:
-    """The rest of a batched call, as one request prices its own rows: the other requests'
-    rows (what one more row costs depends on them) and the tokens they are expected to commit
-    (what the call brings besides this request's). Alone: nothing."""
-
-    rows: int = 0
-    tokens: float = 0.0
-
-
-ALONE = Share()
 
 
 def path_values(parents: list[int], p: list[float]) -> list[float]:

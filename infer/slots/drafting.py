@@ -61,7 +61,7 @@ from typing import Any
 
 from infer.pricing.acceptance import PRIOR_STRENGTH
 from infer.pricing.budget import NodeBudget
-from infer.pricing.selection import ALONE, Share
+from infer.spec.share import ALONE, Share
 from infer.proposers.head import HeadDrafter, TreeBudget
 from infer.proposers.lookup import copy_matches
 from infer.slots.align import current_call, rebind, rebind_by_keys, written_keys

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
-from infer.pricing.selection import ALONE, Share
+from infer.spec.share import ALONE, Share
 from infer.spec.candidates import Candidates
 from infer.spec.decoding import Decoded, DecodeOptions, Runtime
 from infer.spec.forward import Call, run

@@ -428,30 +428,34 @@ def tune_few_rows(target: Target, margin: float = 0.9, repeats: int = 5) -> Targ
 
 @torch.inference_mode()
 def tune_attention(target: Target, margin: float = 0.9, repeats: int = 5, context: int = 512,
-                   batch: tuple[int, ...] = (1, 16)) -> Target:
-    """Time one-token attention over ``context`` slots (AR's step and a batched decoding
-    step's shapes) through SDPA's grouped-head path and folded into KV-head rows
-    (``layers.attend``), and fold where that is at least ``margin`` faster: some CPU kernels
-    run a one-row grouped query several times slower in bf16 than the folded one. A GPU keeps
-    its own kernels; without grouped heads there is nothing to fold."""
+                   requests: int = 8) -> Target:
+    """Time one decoding step of ``requests`` one-token requests, each over its own arena of
+    ``context`` slots (a batched round's attention calls, one per request and layer, between the
+    weights the forward streams), with SDPA's grouped-head path and folded into KV-head rows
+    (``layers.attend``), and fold where that is at least ``margin`` faster. Some CPU kernels
+    run a one-row grouped query several times slower in bf16 than the folded one, and in fp32
+    the grouped path copies each request's keys and values out to every query head, which a
+    forward pays for from memory. A GPU keeps its own kernels; without grouped heads there is
+    nothing to fold."""
     c = target.config
     if target.device.type != "cpu" or c.num_heads == c.num_kv_heads:
         return target
-    g = torch.Generator().manual_seed(0)
-    calls = []
-    for rows in batch:
-        q = torch.randn(rows, c.num_heads, 1, c.head_dim, generator=g).to(target.dtype)
-        kv = torch.randn(rows, c.num_kv_heads, context, c.head_dim, generator=g).to(target.dtype)
-        visible = torch.ones(rows, 1, context, dtype=torch.bool)
-        calls.append((q, kv, visible))
-    layers = range(c.num_layers)  # a forward's worth of calls: one call alone is too short to time
-    plain, folded = alternating_ms(
-        [lambda: [attend(q, kv, kv, m) for _ in layers for q, kv, m in calls],
-         lambda: [attend(q, kv, kv, m, fold_groups=True) for _ in layers for q, kv, m in calls]],
-        target.device, repeats)
-    fold = folded <= margin * plain
-    for module in target.modules():
-        if isinstance(module, Attention):
-            module.fold_groups = fold
-    target.fold_groups = fold
+    dev = target.device
+    parts = [Part(target.new_arena(1, context + 1), i, torch.tensor([context], device=dev),
+                  torch.ones(1, context + 1, dtype=torch.bool, device=dev)) for i in range(requests)]
+    tokens = torch.zeros(requests, dtype=torch.long, device=dev)
+    positions = torch.full((requests,), context, device=dev)
+
+    def fold(on: bool) -> None:
+        for module in target.modules():
+            if isinstance(module, Attention):
+                module.fold_groups = on
+        target.fold_groups = on
+
+    def step(on: bool) -> None:
+        fold(on)
+        target.packed(tokens, positions, parts)
+
+    plain, folded = alternating_ms([lambda: step(False), lambda: step(True)], dev, repeats)
+    fold(folded <= margin * plain)
     return target

@@ -3,10 +3,11 @@
     python benchmarks/serve_bench.py [--limit 12] [--out outputs/serve_bench.json] [serve overrides ...]
     make serve-bench
 
-Loads one server (``infer/serve.py``'s engine, every method in ``--methods``) and, request
-by request and method by method (interleaved, so a host that drifts shifts both paths
-alike), decodes each request twice: in-process the way ``infer/run.py`` times it (prompt
-rendering through stop), and through ``POST /v1/chat/completions`` with the ``openai``
+Loads one server (``infer/serve.py``'s engine, every method in ``--methods``, its decode loop
+on the main thread as the server runs it) and, request by request and method by method
+(interleaved, so a host that drifts shifts both paths alike), decodes each request twice:
+in-process on that same loop's thread the way ``infer/run.py`` times it (prompt rendering
+through stop), and through ``POST /v1/chat/completions`` with the ``openai``
 client, non-streamed and streamed (first token and end to end). Prints per method the
 tokens/s of both paths, their ratio and the mean overhead in ms per request, checks that
 both paths returned the same tokens, and writes JSON. Trailing arguments are Hydra
@@ -16,6 +17,7 @@ overrides of the serve config (e.g. ``model=...``, ``head=...``, ``decode=paper`
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from collections import defaultdict
 
@@ -34,18 +36,32 @@ from schemafill.records import read_requests
 
 
 def bench(engine: Engine, requests: list, methods: list[str]) -> dict:
+    """HTTP and the server on threads, the engine's decode loop on this one (as ``infer/serve.py``
+    runs it); the in-process decodes go to that loop too, so both paths decode on one thread."""
+    rows: dict[str, list[dict]] = defaultdict(list)
+    failed: list[BaseException] = []
+    with BackgroundServer(engine, decode_here=True) as server:
+        driver = threading.Thread(target=_drive, args=(engine, server.url, requests, methods, rows, failed))
+        driver.start()
+        engine.run()
+        driver.join()
+    if failed:
+        raise failed[0]
+    return _summary(rows)
+
+
+def _drive(engine: Engine, url: str, requests: list, methods: list[str], rows: dict, failed: list) -> None:
     from openai import OpenAI
 
-    rows: dict[str, list[dict]] = defaultdict(list)
-    with BackgroundServer(engine) as server:
-        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         name = engine.cfg.model.name
         bar = tqdm(total=len(requests) * len(methods), desc="serve-bench", unit="decode x3", dynamic_ncols=True)
         for i, r in enumerate(requests):
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:
-                t0 = time.perf_counter()
-                decoded = engine.decoders[m].decode(r, engine.prompt(r), DecodeOptions(Sampler(0.0, 1.0, 0)))
-                direct = time.perf_counter() - t0
+                decode = (lambda m=m, r=r: _timed(lambda: engine.decoders[m].decode(
+                    r, engine.prompt(r), DecodeOptions(Sampler(0.0, 1.0, 0)))))
+                decoded, direct = engine.between_rounds(decode).result()  # timed on the decode loop's thread
                 kw = dict(model=f"{name}:{m}", messages=r.messages, tools=r.tools, temperature=0)
                 t0 = time.perf_counter()
                 answer = client.chat.completions.create(**kw)
@@ -64,6 +80,20 @@ def bench(engine: Engine, requests: list, methods: list[str]) -> dict:
                                 "stream_s": streamed, "first_s": first, "same": same})
                 bar.update()
         bar.close()
+    except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+        failed.append(e)
+    finally:
+        engine.close()
+
+
+def _timed(fn):
+    """``fn()`` and its seconds."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def _summary(rows: dict) -> dict:
     out = {}
     for m, rs in rows.items():
         tokens = sum(x["tokens"] for x in rs)

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from infer import decoders
-from infer.serving.app import BackgroundServer
+from infer.serving.app import serve_while
 from infer.serving.engine import Engine
 from schemafill import atomic
 from schemafill.config import ServeConfig, compose_config
@@ -121,31 +121,18 @@ def main() -> None:
     engine = Engine(cfg)
     name = cfg.model.name
     runs: dict[str, list[dict]] = {m: [] for m in methods}
-    failed: list[BaseException] = []
 
     def drive(url: str) -> None:
-        try:
-            bar = tqdm(total=len(levels) * len(methods), desc="concurrency", unit="run", dynamic_ncols=True)
-            for j, k in enumerate(levels):
-                for m in methods[j % len(methods):] + methods[:j % len(methods)]:
-                    engine.between_rounds(lambda m=m: decoders.reset(engine.decoders[m])).result()  # idle: no round
-                    runs[m].append(run_level(url, f"{name}:{m}", requests, k))
-                    bar.set_postfix_str(f"{m} x{k}: {runs[m][-1]['tps']:.1f} tok/s")
-                    bar.update()
-            bar.close()
-        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
-            failed.append(e)
-        finally:
-            engine.close()
+        bar = tqdm(total=len(levels) * len(methods), desc="concurrency", unit="run", dynamic_ncols=True)
+        for j, k in enumerate(levels):
+            for m in methods[j % len(methods):] + methods[:j % len(methods)]:
+                engine.between_rounds(lambda m=m: decoders.reset(engine.decoders[m])).result()  # idle: no round
+                runs[m].append(run_level(url, f"{name}:{m}", requests, k))
+                bar.set_postfix_str(f"{m} x{k}: {runs[m][-1]['tps']:.1f} tok/s")
+                bar.update()
+        bar.close()
 
-    # clients on threads, the server's decode loop on this one, as ``infer/serve.py`` runs it
-    with BackgroundServer(engine, decode_here=True) as server:
-        driver = threading.Thread(target=drive, args=(server.url,))
-        driver.start()
-        engine.run()
-        driver.join()
-    if failed:
-        raise failed[0]
+    serve_while(engine, drive)  # clients on threads, the decode loop on this one, as ``infer/serve.py`` runs it
 
     # every answer as the same method gave it to one client, and (greedy) as AR did
     reference = {m: rs[0]["answers"] for m, rs in runs.items()}

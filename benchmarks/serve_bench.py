@@ -17,7 +17,6 @@ overrides of the serve config (e.g. ``model=...``, ``head=...``, ``decode=paper`
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from collections import defaultdict
 
@@ -27,7 +26,7 @@ from tqdm.auto import tqdm
 from infer.spec.decoding import DecodeOptions
 from infer.serving.message import message
 from infer.spec.sampling import Sampler
-from infer.serving.app import BackgroundServer
+from infer.serving.app import serve_while
 from infer.serving.engine import Engine
 from schemafill import atomic
 from schemafill.config import ServeConfig, compose_config
@@ -38,52 +37,40 @@ from schemafill.records import read_requests
 def bench(engine: Engine, requests: list, methods: list[str]) -> dict:
     """HTTP and the server on threads, the engine's decode loop on this one (as ``infer/serve.py``
     runs it); the in-process decodes go to that loop too, so both paths decode on one thread."""
-    rows: dict[str, list[dict]] = defaultdict(list)
-    failed: list[BaseException] = []
-    with BackgroundServer(engine, decode_here=True) as server:
-        driver = threading.Thread(target=_drive, args=(engine, server.url, requests, methods, rows, failed))
-        driver.start()
-        engine.run()
-        driver.join()
-    if failed:
-        raise failed[0]
-    return _summary(rows)
+    return _summary(serve_while(engine, lambda url: _drive(engine, url, requests, methods)))
 
 
-def _drive(engine: Engine, url: str, requests: list, methods: list[str], rows: dict, failed: list) -> None:
+def _drive(engine: Engine, url: str, requests: list, methods: list[str]) -> dict[str, list[dict]]:
     from openai import OpenAI
 
-    try:
-        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        name = engine.cfg.model.name
-        bar = tqdm(total=len(requests) * len(methods), desc="serve-bench", unit="decode x3", dynamic_ncols=True)
-        for i, r in enumerate(requests):
-            for m in methods[i % len(methods):] + methods[:i % len(methods)]:
-                decode = (lambda m=m, r=r: _timed(lambda: engine.decoders[m].decode(
-                    r, engine.prompt(r), DecodeOptions(Sampler(0.0, 1.0, 0)))))
-                decoded, direct = engine.between_rounds(decode).result()  # timed on the decode loop's thread
-                kw = dict(model=f"{name}:{m}", messages=r.messages, tools=r.tools, temperature=0)
-                t0 = time.perf_counter()
-                answer = client.chat.completions.create(**kw)
-                http = time.perf_counter() - t0
-                t0, first = time.perf_counter(), None
-                for chunk in client.chat.completions.create(stream=True, **kw):
-                    if first is None and chunk.choices and (chunk.choices[0].delta.content or
-                                                            chunk.choices[0].delta.tool_calls):
-                        first = time.perf_counter() - t0
-                streamed = time.perf_counter() - t0
-                got, want = answer.choices[0].message, message(decoded.text, lambda k: "")
-                same = answer.usage.completion_tokens == len(decoded.ids) and got.content == want.get("content") \
-                    and [(c.function.name, c.function.arguments) for c in got.tool_calls or []] == \
-                    [(c["function"]["name"], c["function"]["arguments"]) for c in want.get("tool_calls", [])]
-                rows[m].append({"id": r.id, "tokens": len(decoded.ids), "direct_s": direct, "http_s": http,
-                                "stream_s": streamed, "first_s": first, "same": same})
-                bar.update()
-        bar.close()
-    except BaseException as e:  # noqa: BLE001 - raised again on the main thread
-        failed.append(e)
-    finally:
-        engine.close()
+    rows: dict[str, list[dict]] = defaultdict(list)
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    name = engine.cfg.model.name
+    bar = tqdm(total=len(requests) * len(methods), desc="serve-bench", unit="decode x3", dynamic_ncols=True)
+    for i, r in enumerate(requests):
+        for m in methods[i % len(methods):] + methods[:i % len(methods)]:
+            decode = (lambda m=m, r=r: _timed(lambda: engine.decoders[m].decode(
+                r, engine.prompt(r), DecodeOptions(Sampler(0.0, 1.0, 0)))))
+            decoded, direct = engine.between_rounds(decode).result()  # timed on the decode loop's thread
+            kw = dict(model=f"{name}:{m}", messages=r.messages, tools=r.tools, temperature=0)
+            t0 = time.perf_counter()
+            answer = client.chat.completions.create(**kw)
+            http = time.perf_counter() - t0
+            t0, first = time.perf_counter(), None
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                if first is None and chunk.choices and (chunk.choices[0].delta.content or
+                                                        chunk.choices[0].delta.tool_calls):
+                    first = time.perf_counter() - t0
+            streamed = time.perf_counter() - t0
+            got, want = answer.choices[0].message, message(decoded.text, lambda k: "")
+            same = answer.usage.completion_tokens == len(decoded.ids) and got.content == want.get("content") \
+                and [(c.function.name, c.function.arguments) for c in got.tool_calls or []] == \
+                [(c["function"]["name"], c["function"]["arguments"]) for c in want.get("tool_calls", [])]
+            rows[m].append({"id": r.id, "tokens": len(decoded.ids), "direct_s": direct, "http_s": http,
+                            "stream_s": streamed, "first_s": first, "same": same})
+            bar.update()
+    bar.close()
+    return rows
 
 
 def _timed(fn):

@@ -188,7 +188,7 @@ class HeadDrafter:
         levels deep (default: the budget's; each level past the first is a head forward),
         fewer when the drafter's price says a level is not worth its time (module docstring).
         Returns the tree and the head's probability of each node given its parent."""
-        head, dev, b, price = self.head, self.device, self.budget, self.price
+        head, dev, b, price, times = self.head, self.device, self.budget, self.price, self.times
         drafting = time.perf_counter()
         h, m = self.done, new_aux.shape[0]
         n = h + m  # positions with target features; the first pending token sits at position n
@@ -236,7 +236,6 @@ class HeadDrafter:
         slot = n + 1
         for d in range(1, b.depth if depth is None else min(depth, b.depth)):
             f_nodes = sorted(frontier, key=lambda i: (-score[i], i))[: b.topk]
-            times = self.times
             if price is not None and times.level_ms and not price.level_worth(sum(chance[i] for i in f_nodes),
                                                                               times.level_ms):
                 break

@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from infer.serving.message import MessageStream, finish_reason, message
 from infer.serving.protocol import APIError, chunk, completion, parse_body, parse_chat_request, usage
 from infer.serving.engine import Cancelled, Engine, Job
+
+
+T = TypeVar("T")
 
 
 def _sse(obj: Any) -> str:
@@ -147,6 +150,31 @@ async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue
     finally:
         job.cancel.set()  # stops the decode at its next round if it is still running
         engine.metrics.requests.labels(chat.method, status).inc()
+
+
+def serve_while(engine: Engine, drive: Callable[[str], T]) -> T:
+    """``drive(url)`` on a thread, as clients of ``engine`` served on a free port, while this
+    thread runs the engine's decode loop (``Engine.start`` says why) until ``drive`` returns:
+    its result, or what it raised. The engine is closed afterwards (the benches)."""
+    result: list[T] = []
+    failed: list[BaseException] = []
+
+    def clients(url: str) -> None:
+        try:
+            result.append(drive(url))
+        except BaseException as e:  # noqa: BLE001 - raised again on this thread
+            failed.append(e)
+        finally:
+            engine.close()
+
+    with BackgroundServer(engine, decode_here=True) as server:
+        thread = threading.Thread(target=clients, args=(server.url,))
+        thread.start()
+        engine.run()
+        thread.join()
+    if failed:
+        raise failed[0]
+    return result[0]
 
 
 class BackgroundServer:

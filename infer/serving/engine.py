@@ -173,7 +173,10 @@ class Engine:
         """Requests decoding or waiting whose client is still there (a job whose client went
         away gives its place back at once, though the worker drops it only at its next round)."""
         with self._cond:
-            return sum(not j.cancel.is_set() for j in self._live.values())
+            return self._outstanding()
+
+    def _outstanding(self) -> int:  # with ``_cond`` held
+        return sum(not j.cancel.is_set() for j in self._live.values())
 
     @property
     def decoding(self) -> int:
@@ -188,7 +191,7 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise APIError(503, "the server is shutting down", code="server_busy", kind="server_error")
-            if sum(not j.cancel.is_set() for j in self._live.values()) >= cfg.max_batch + cfg.queue_size:
+            if self._outstanding() >= cfg.max_batch + cfg.queue_size:
                 self.metrics.requests.labels(job.chat.method, "503").inc()
                 raise APIError(503, f"the server is busy: {cfg.max_batch} requests are decoding and "
                                     f"{cfg.queue_size} are waiting (max_batch, queue_size); retry shortly",
@@ -204,7 +207,7 @@ class Engine:
         """Run the decode loop on a thread of its own (once), for a caller whose main thread is
         busy (tests). ``run`` on the main thread is faster on a CPU: a second thread's OpenMP
         team makes GNU OpenMP throttle its spin-waits, and every few-row product then pays
-        for waking its threads (a 2-request round took 70 ms instead of 38 here)."""
+        for waking its threads (docs/design.md, Serving)."""
         if self.worker is None:
             self.worker = threading.Thread(target=self.run, name="schemafill-decode", daemon=True)
             self.worker.start()

@@ -38,7 +38,7 @@ class Call:
     index: list[int] = field(default_factory=list)  # each kept tree node's index in the proposal
     allowed: torch.Tensor | None = None  # [1 + m, V] the grammar's tokens at the root and each node
     extra: list[Segment] = field(default_factory=list)
-    main_rows: int = 0  # rows before the extra segments
+    main_rows: int = 0  # rows before the extra segments (all of a chunk's)
 
     @property
     def rows(self) -> int:
@@ -46,7 +46,7 @@ class Call:
 
     @property
     def extra_rows(self) -> int:
-        return self.rows - self.main_rows if self.kind != "chunk" else 0
+        return self.rows - self.main_rows
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 from infer.spec.share import ALONE, Share
 from infer.spec.candidates import Candidates
 from infer.spec.decoding import Decoded, DecodeOptions, Runtime
-from infer.spec.forward import Call, run
+from infer.spec.forward import Call, Output, run
 from infer.spec.phases import Phases
 from infer.spec.session import MainSession, Segment, Verified
 from schemafill.runtime import Target
@@ -181,7 +181,7 @@ class Stream:
         self.rows = call.rows
         return call
 
-    def take(self, call: Call, out, seconds: float) -> None:
+    def take(self, call: Call, out: Output, seconds: float) -> None:
         """Read this request's share of the round's forward (``seconds`` long) and let the
         method learn from it."""
         s, d, p = self.s, self.drafting, self.proposal
@@ -258,7 +258,7 @@ class Batch:
         requests still to draft added last round."""
         built = {id(st) for st, _ in calls}
         rows = sum(c.rows for st, c in calls) + sum(st.rows for st in streams if st is not me and id(st) not in built)
-        tokens = sum(st.tokens if st.prefilled else float(not st.prompt_left) for st in streams if st is not me)
+        tokens = sum(st.tokens for st in streams if st is not me and st.prefilled)
         return Share(rows, tokens)
 
 

@@ -58,8 +58,8 @@ class Verified:
     # target's logits at each [1 + m, V]: what token recycling learns from
     main_tokens: list[int] = field(default_factory=list)
     main_logits: torch.Tensor | None = None
-    # what the call cost: its rows (pending, tree, extra segments), how many were extra, and
-    # the milliseconds from building its inputs to the target's choices (what selection prices)
+    # what the target forward that carried it cost (every request's rows, in a batch): its
+    # rows, how many were extra (SIDE), and its milliseconds (what selection prices)
     rows: int = 0
     extra_rows: int = 0
     ms: float = 0.0
@@ -142,7 +142,7 @@ class MainSession:
             raise ValueError(f"no prompt tokens left to prefill in pieces ({self.n_kv} of {p} done)")
         a = self.n_kv
         return Call(self, "chunk", self.prompt[a:a + n], list(range(a, a + n)), list(range(a, a + n)),
-                    chain_and_tree(a, n, []), [])
+                    chain_and_tree(a, n, []), [], main_rows=n)
 
     def prefill_call(self, tree_tokens: list[int] = (), parents: list[int] = (), extra: list[Segment] = ()) -> Call:
         """The rest of the prompt, optionally with a MAIN tree hanging off its last token and
@@ -233,7 +233,7 @@ class MainSession:
             call.kind == "prefill", call.tree_tokens, call.parents, call.extra, call.main_rows
         logits, aux = out.logits, out.aux  # [len(at), V]: the root, MAIN's tree, the extra deciding nodes; [T, 3H]
         first = main_rows - len(tree_tokens) - 1
-        rows = len(call.tokens)
+        rows = call.rows
         base = self.side_base
         side = {s for seg in extra for see in seg.visible for s in see if s >= base}
         self.counts.call(rows - main_rows + len(tree_tokens), max(call.slots[:main_rows]) + 1 + len(side))

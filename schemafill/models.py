@@ -101,9 +101,14 @@ def generation_eos(source: str, tokenizer: Any, revision: str | None = None) -> 
 
 def load_runtime(source: str, dtype: torch.dtype, device: torch.device, aux_layer_ids: list[int] | None = None,
                  revision: str | None = None) -> Any:
-    """The target on the inference runtime (``schemafill.runtime.Target``)."""
+    """The target on the inference runtime (``schemafill.runtime.Target``). On a CPU, the
+    process's allocator then keeps freed memory for the runtime's large activations
+    (``schemafill/allocator.py``)."""
+    from schemafill.allocator import retain_freed_memory
     from schemafill.runtime import load_target
 
+    if device.type == "cpu":
+        print(f"[runtime] allocator: {retain_freed_memory()}")
     return load_target(local_folder(source, revision), dtype, device, aux_layer_ids)
 
 

@@ -48,6 +48,17 @@ class Call:
     def extra_rows(self) -> int:
         return self.rows - self.main_rows
 
+    @property
+    def kv_rows(self) -> int:
+        """MAIN rows that only write KV the request owes whatever is drafted (the prompt's, forced
+        tokens' before the tree's root): no logits are read from them."""
+        return self.main_rows if self.kind == "chunk" else self.main_rows - len(self.tree_tokens) - 1
+
+    @property
+    def priced_rows(self) -> int:
+        """The rows that bring this round's tokens: what pricing charges a round with."""
+        return self.rows - self.kv_rows
+
 
 @dataclass
 class Output:

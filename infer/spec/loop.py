@@ -150,7 +150,7 @@ class Stream:
         self.prefilled = False
         self.proposal = Proposal()
         self.init_nodes = 0
-        self.rows = 1  # rows of its latest call (what it will likely add to the next one)
+        self.rows = 1  # priced rows of its latest call (what it will likely add to the next one)
         self.tokens = 1.0  # committed tokens per round, running mean
         self.error: BaseException | None = None
 
@@ -178,7 +178,7 @@ class Stream:
             with self.phases("drafting"):
                 self.proposal = p = d.select(s, d.draft(s), share)
             call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
-        self.rows = call.rows
+        self.rows = call.priced_rows
         return call
 
     def take(self, call: Call, out: Output, seconds: float) -> None:
@@ -254,10 +254,11 @@ class Batch:
 
     @staticmethod
     def _share(me: Stream, streams: list[Stream], calls: list[tuple[Stream, Call]]) -> Share:
-        """The rest of this round's call as ``me`` selects: the calls built so far, and what the
-        requests still to draft added last round."""
+        """The rest of this round's call as ``me`` selects (``Share``): the calls built so far, and
+        what the requests still to draft added last round."""
         built = {id(st) for st, _ in calls}
-        rows = sum(c.rows for st, c in calls) + sum(st.rows for st in streams if st is not me and id(st) not in built)
+        rows = sum(c.priced_rows for st, c in calls) + \
+            sum(st.rows for st in streams if st is not me and id(st) not in built)
         tokens = sum(st.tokens for st in streams if st is not me and st.prefilled)
         return Share(rows, tokens)
 

@@ -10,8 +10,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Share:
     """The rest of a batched call, as one request prices its own rows: the other requests'
-    rows (what one more row costs depends on them) and the tokens they are expected to commit
-    (what the call brings besides this request's). Alone: nothing."""
+    rows that bring this round's tokens (what one more row costs depends on them) and the tokens
+    they are expected to commit (what the call brings besides this request's). Alone: nothing.
+
+    A prompt's rows are left out: the prompt's KV is owed whatever anyone drafts, so charging it
+    to the round would make a round beside a prompt look slow and every node in it look cheap
+    by comparison (a round's rows then grow several times beyond what they earn)."""
 
     rows: int = 0
     tokens: float = 0.0

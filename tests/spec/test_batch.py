@@ -161,3 +161,32 @@ def test_selection_prices_a_requests_rows_as_part_of_the_batch():
     assert select(parents, values, lambda n: cost(n + share.rows), 1, base=1 + share.tokens) == []
     budget = NodeBudget(STEEP)
     assert budget.best(parents, values, 1)[0] == [0] and budget.best(parents, values, 1, share=share)[0] == []
+
+
+def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
+    """A prompt's KV is owed whatever anyone drafts: a request pricing its draft beside another's
+    prompt piece or prefill sees only the rows that bring this round's tokens."""
+    target, tok, eos = tiny
+    rt = Runtime(target, tok, eos, 16)
+    sf = methods(target, tok, eos, 16)["schemafill"]
+    decoding = loop.Stream(rt, prompt_ids(request("one_tool"), "plain", tok), DecodeOptions(), loop.Drafting())
+    batch = loop.Batch(target, prefill_tokens=32)
+    batch.add(decoding)
+    batch.step()
+    long_prompt = prompt_ids(request("twenty"), "plain", tok)[:150]
+    late = loop.Stream(rt, long_prompt, DecodeOptions(), loop.Drafting())
+    piece = late.next_call(prefill_tokens=32)
+    assert piece.kind == "chunk" and piece.rows == 32 and piece.priced_rows == 0
+    assert loop.Batch._share(decoding, [decoding, late], [(late, piece)]) == Share(0, 0.0)
+
+    r = request("one_tool")
+    joining = sf.stream(r, prompt_ids(r, "plain", tok), DecodeOptions())
+    prefill = joining.next_call(prefill_tokens=None)
+    tree = len(prefill.tree_tokens)
+    assert prefill.kind == "prefill" and tree > 0  # the forecast's first proposal rides with it
+    # the prompt's last token (its logits give the first token), the tree and the SIDE rows
+    assert prefill.priced_rows == 1 + tree + prefill.extra_rows < prefill.rows
+    step = decoding.next_call()
+    assert step.kind == "verify" and step.priced_rows == step.rows == 1
+    assert loop.Batch._share(late, [decoding, late, joining], [(joining, prefill), (decoding, step)]) == \
+        Share(prefill.priced_rows + 1, decoding.tokens)

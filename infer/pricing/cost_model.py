@@ -102,22 +102,51 @@ class LiveCost:
     """The start-up curve plus what this launch's verifications measured: per size bucket, and
     apart for calls with and without SIDE rows, the mean difference between the time a call
     took and the curve's, shrunk toward 0 by ``strength`` pseudo-observations. One slow call
-    (a page fault, the host's other work) moves its bucket by at most the curve's own value."""
+    (a page fault, the host's other work) moves its bucket by at most the curve's own value.
+
+    The corrected curve is continuous and never decreases: each bucket's correction sits at the
+    mean size of the calls it pooled, sizes between two such points take a correction in
+    proportion, and the corrected times at those points are made non-decreasing the way the
+    start-up curve is. A correction that stepped at a bucket's edge would price the row that
+    crosses it at the whole step, and where a bigger bucket measured below a smaller one's
+    (batched calls of many requests pay per request, not per row), selection would add rows
+    only to make a call cheaper."""
 
     base: CostModel
     learn: bool = True  # False: the curve alone (selection that never depends on timing)
     strength: float = 4.0
     residual: dict[tuple[int, bool], float] = field(default_factory=dict)  # summed (measured - curve) ms
     calls: dict[tuple[int, bool], int] = field(default_factory=dict)
+    rows: dict[tuple[int, bool], int] = field(default_factory=dict)  # summed rows of the calls
     per_row: float = field(init=False)  # the curve's ms per row (its linear fit's slope)
+    _points: dict[bool, tuple[list[float], list[float]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.per_row = self.base.linear_fit()[1]
 
     def __call__(self, n: int, side: bool = False) -> float:
         """Milliseconds of a call of ``n`` rows, ``side``: some of them SIDE rows."""
-        key = (size_bucket(n), side)
-        return self.base(n) + self.residual.get(key, 0.0) / (self.calls.get(key, 0) + self.strength)
+        xs, corr = self._corrections(side)
+        if not xs:
+            return self.base(n)
+        if n <= xs[0]:
+            return self.base(n) + corr[0]
+        for i in range(1, len(xs)):
+            if n <= xs[i]:
+                w = (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return self.base(n) + corr[i - 1] + w * (corr[i] - corr[i - 1])
+        return self.base(n) + corr[-1]
+
+    def _corrections(self, side: bool) -> tuple[list[float], list[float]]:
+        """The measured points of the curve for ``side`` calls: mean sizes, and the correction
+        at each once the corrected times are made non-decreasing (cached until the next call)."""
+        if side not in self._points:
+            keys = sorted((k for k in self.calls if k[1] == side), key=lambda k: self.rows[k] / self.calls[k])
+            xs = [self.rows[k] / self.calls[k] for k in keys]
+            shrunk = [self.residual[k] / (self.calls[k] + self.strength) for k in keys]
+            times = isotonic([self.base(x) + c for x, c in zip(xs, shrunk)])
+            self._points[side] = (xs, [t - self.base(x) for x, t in zip(xs, times)])
+        return self._points[side]
 
     def observe(self, rows: int, side: bool, ms: float) -> None:
         """A verification of ``rows`` rows took ``ms``."""
@@ -126,11 +155,16 @@ class LiveCost:
         key, base = (size_bucket(rows), side), self.base(rows)
         self.residual[key] = self.residual.get(key, 0.0) + min(max(ms - base, -0.5 * base), base)
         self.calls[key] = self.calls.get(key, 0) + 1
+        self.rows[key] = self.rows.get(key, 0) + rows
+        self._points.pop(side, None)
 
     def summary(self) -> dict:
-        """The curve, and per bucket seen, the calls and their mean correction (ms)."""
+        """The curve, and per bucket seen, the calls, their mean size and mean correction (ms),
+        and what the corrected curve says at that size."""
         return {**self.base.summary(), "measured": {f"{n}{'+side' if side else ''}": {
-            "calls": c, "ms": round(self(n, side), 2), "correction_ms": round(self.residual[(n, side)] / c, 2)}
+            "calls": c, "mean_rows": round(self.rows[(n, side)] / c, 2),
+            "ms": round(self(self.rows[(n, side)] / c, side), 2),
+            "correction_ms": round(self.residual[(n, side)] / c, 2)}
             for (n, side), c in sorted(self.calls.items())}}
 
 

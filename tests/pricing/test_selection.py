@@ -162,15 +162,34 @@ def test_live_cost_learns_each_size_bucket_and_side_calls_apart():
     assert live(9) == 56.0 and live(9, side=True) == 56.0  # nothing measured: the curve
     for _ in range(4):
         live.observe(12, side=False, ms=82.0)  # 20 ms above the curve's 62 at 12 rows
-    assert live(9) == pytest.approx(56.0 + 10.0)  # 4 calls against 4 pseudo-calls: half the gap, whole bucket
-    assert live(16) == pytest.approx(70.0 + 10.0)
-    assert live(9, side=True) == 56.0 and live(8) == 54.0  # other buckets, SIDE calls: untouched
+    # 4 calls against 4 pseudo-calls: half the gap; one measured point shifts the whole curve
+    assert live(9) == pytest.approx(56.0 + 10.0) and live(16) == pytest.approx(70.0 + 10.0)
+    assert live(9, side=True) == 56.0  # SIDE calls: untouched
     live.observe(5, side=True, ms=10_000.0)  # one stall moves its bucket by at most the curve's value, shrunk
     assert live(5, side=True) == pytest.approx(48.0 + 48.0 / 5)
     frozen = LiveCost(CostModel((1, 64), (40.0, 166.0)), learn=False)
     frozen.observe(12, side=False, ms=82.0)
     assert frozen(12) == 62.0 and frozen.summary()["measured"] == {}
-    assert live.summary()["measured"]["16"] == {"calls": 4, "ms": 80.0, "correction_ms": 20.0}
+    assert live.summary()["measured"]["16"] == {"calls": 4, "mean_rows": 12.0, "ms": 82.0 - 10.0, "correction_ms": 20.0}
+
+
+def test_live_cost_is_continuous_and_never_decreases_across_buckets():
+    live = LiveCost(CostModel((1, 64), (40.0, 166.0)), strength=0.0)  # 38 + 2 ms a row; no shrinking
+    for rows, ms in ((4, 66.0), (12, 62.0), (24, 106.0)):  # corrections +20 at 4 rows, 0 at 12, +20 at 24
+        live.observe(rows, side=False, ms=ms)
+    # 4 rows measured above 12 rows: the two are pooled to their mean, so no row makes a call cheaper
+    assert live(4) == live(12) == pytest.approx(64.0) and live(24) == pytest.approx(106.0)
+    # between two measured sizes the correction moves in proportion (+2 ms at 12 rows, +20 at 24):
+    # no step at a bucket's edge
+    assert live(17) - live(16) == pytest.approx(2.0 + (20.0 - 2.0) / 12)
+    costs = [live(n) for n in range(1, 100)]
+    assert all(b >= a for a, b in zip(costs, costs[1:]))
+    # a batch measured below the single-request curve at 32 rows, above it at 16: still non-decreasing
+    batched = LiveCost(CostModel((1, 64), (40.0, 166.0)), strength=0.0)
+    batched.observe(16, side=False, ms=70.0 + 32.0)
+    batched.observe(30, side=False, ms=98.0 - 10.0)
+    costs = [batched(n) for n in range(1, 100)]
+    assert all(b >= a for a, b in zip(costs, costs[1:])) and costs[15] == costs[29] == pytest.approx(95.0)
 
 
 def test_cost_is_measured_on_a_real_forward_and_cached_per_host(tmp_path):

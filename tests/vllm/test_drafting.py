@@ -1,0 +1,105 @@
+"""SchemaFill's chain drafting from token ids alone (what the vLLM proposer runs), on the
+built-in tokenizer and prompts rendered as the pipeline renders them."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.vllm.drafting import ChainDrafter, asked_format, catalog
+from infer.vllm.proposer import SchemaFillProposer, response_format
+from schemafill.prompt import prompt_ids
+from schemafill.response_format import HERMES, JSON
+from tests.decoders.test_schemafill import request
+
+
+@pytest.fixture(scope="module")
+def drafter(smol_tokenizer):
+    return ChainDrafter(smol_tokenizer)
+
+
+def after(tok, name: str, response: str, style: str = "plain", fmt=HERMES) -> list[int]:
+    """A request's tokens: its prompt, then ``response`` as the target would have written it."""
+    return prompt_ids(request(name), style, tok, fmt=fmt) + tok(response, add_special_tokens=False).input_ids
+
+
+def drafted(drafter, tokens: list[int], k: int = 32) -> str:
+    return drafter.tokenizer.decode(drafter.draft(tokens, k))
+
+
+def test_the_response_starts_with_the_forecast_tools_call_up_to_its_first_value(drafter, smol_tokenizer):
+    # BM25 ranks get_weather first for a weather question
+    assert drafted(drafter, after(smol_tokenizer, "bm25", "")) == '<tool_call>\n{"name": "get_weather", "arguments": {"city":'
+    assert len(drafter.draft(after(smol_tokenizer, "bm25", ""), 3)) == 3  # at most k
+
+
+def test_structure_after_a_tool_name_the_response_chose(drafter, smol_tokenizer):
+    # the forecast said get_weather; the response named book_flight: its plan takes over
+    tokens = after(smol_tokenizer, "bm25", '<tool_call>\n{"name": "book_flight", "arguments": {')
+    assert drafted(drafter, tokens) == '"route":'
+    tokens = after(smol_tokenizer, "bm25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"')
+    assert drafted(drafter, tokens).startswith('}}\n</tool_call>')  # city is the one required key: the call closes
+
+
+def test_a_value_is_copied_from_the_request_then_closed_and_the_structure_follows(drafter, smol_tokenizer):
+    # "Zür" is not a token of " Zürich" in the request: the copy is matched as text
+    tokens = after(smol_tokenizer, "bm25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zür')
+    assert drafted(drafter, tokens).startswith('ich"}}\n</tool_call>')
+    # a value the conversation does not have: nothing guessed
+    tokens = after(smol_tokenizer, "bm25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Qx')
+    assert drafted(drafter, tokens) == ""
+
+
+def test_a_chat_template_prompt_and_the_json_format(drafter, smol_tokenizer):
+    tokens = after(smol_tokenizer, "bm25", "", style="chat", fmt=JSON)
+    assert drafted(drafter, tokens) == '{"tool_calls": [{"name": "get_weather", "arguments": {"city":'
+
+
+def test_no_tool_call_no_draft(drafter, smol_tokenizer):
+    assert drafter.draft(after(smol_tokenizer, "bm25", "Sorry, I cannot"), 8) == []  # a reply in words
+    no_tools = smol_tokenizer("User: hello\n\nResponse:\n", add_special_tokens=False).input_ids
+    assert drafter.draft(no_tools, 8) == []  # no catalog in the prompt
+    assert drafter.draft(smol_tokenizer("just text", add_special_tokens=False).input_ids, 8) == []  # no marker
+
+
+def test_requests_interleaved_draft_what_each_drafts_alone(smol_tokenizer):
+    a = after(smol_tokenizer, "bm25", '<tool_call>\n{"name": "book_flight", "arguments": {')
+    b = after(smol_tokenizer, "one_tool", '<tool_call>\n{"name": "book_flight", "arguments": {"route": {"from": "Li')
+    alone = [ChainDrafter(smol_tokenizer).draft(t, 8) for t in (a, b)]
+    shared = ChainDrafter(smol_tokenizer, cache=1)  # each prompt evicts the other
+    assert [shared.draft(t, 8) for t in (a, b, a, b)] == alone * 2
+
+
+def test_catalog_and_format_are_read_from_the_prompt_text():
+    text = 'tools:\n{"name":"f","parameters":{"type":"object"}}\nnot json {"name": 3}\n' \
+           '{"type": "function", "function": {"name": "g", "parameters": {}}}'
+    functions, spans = catalog(text)
+    assert [f["name"] for f in functions] == ["f", "g"] and len(spans) == 2
+    assert asked_format(f"reply in this format:\n{JSON.template}") is JSON
+    assert asked_format("one <tool_call> block per call") is HERMES
+
+
+class _Config:
+    """The parts of vLLM's ``VllmConfig`` the proposer reads."""
+
+    def __init__(self, tokenizer: str, k: int, max_model_len: int) -> None:
+        self.model_config = type("M", (), {"tokenizer": tokenizer, "max_model_len": max_model_len})()
+        self.speculative_config = type("S", (), {"num_speculative_tokens": k})()
+
+
+def test_the_proposer_drafts_one_chain_per_row_of_vllms_batch(builtin_artifacts, smol_tokenizer):
+    import numpy as np
+
+    proposer = SchemaFillProposer(_Config(str(builtin_artifacts / "targets" / "smollm2-135m-base"), 4, 4096))
+    proposer.load_model()
+    rows = [after(smol_tokenizer, "bm25", ""), after(smol_tokenizer, "one_tool", "")]
+    ids = np.zeros((3, 4096), dtype=np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    lengths = np.array([len(rows[0]), len(rows[1]), 0])
+    drafts = proposer.propose([[1], [2], []], lengths, ids)
+    assert drafts[0] == ChainDrafter(smol_tokenizer).draft(rows[0], 4) and len(drafts[0]) == 4
+    assert drafts[1] == ChainDrafter(smol_tokenizer).draft(rows[1], 4)
+    assert drafts[2] == []  # sampled nothing this step (a prompt still in pieces)
+    with pytest.raises(ValueError, match="SCHEMAFILL_RESPONSE_FORMAT"):
+        response_format({"SCHEMAFILL_RESPONSE_FORMAT": "xml"})
+    assert response_format({}) is None and response_format({"SCHEMAFILL_RESPONSE_FORMAT": "json"}) is JSON

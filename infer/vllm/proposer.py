@@ -11,14 +11,26 @@ state is derived from each request's tokens at every step (cached per prompt), n
 batch position, so requests joining, finishing or being reordered in vLLM's batch cannot
 inherit another's. ``SCHEMAFILL_RESPONSE_FORMAT`` (json, hermes, hermes3, mistral) fixes the
 format the drafts are written in; by default each prompt's own instructions decide.
+
+How much of each chain goes to vLLM is priced per step, as our own runtime prices a batch
+(``BatchPricing``): a chain's tokens are worth their chance of being accepted (learnt per kind of
+chain from what vLLM committed after each draft), a row costs what vLLM's step measured (a + b·rows,
+fitted to the time between calls), and the rows kept across the batch are those that raise the
+step's expected tokens per millisecond. One request alone keeps long chains (on a CPU its rows are
+nearly free); sixteen keep only their surest tokens, since there every row costs a token's worth.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections import OrderedDict, deque
 from typing import Any
 
-from infer.vllm.drafting import ChainDrafter
+from infer.pricing.acceptance import AcceptanceStats
+from infer.pricing.selection import path_values, select
+from infer.spec.tree import ROOT
+from infer.vllm.drafting import COPY, STRUCTURE, VALUE, ChainDrafter
 from schemafill.response_format import FORMATS
 
 FORMAT_ENV = "SCHEMAFILL_RESPONSE_FORMAT"
@@ -31,6 +43,61 @@ def response_format(env: dict[str, str]):
     if name not in FORMATS:
         raise ValueError(f"{FORMAT_ENV}={name!r}: expected one of {sorted(FORMATS)}")
     return FORMATS[name]
+
+
+PRIORS = {STRUCTURE: 0.9, VALUE: 0.6, COPY: 0.5}  # acceptance before any is observed
+COST_POINTS = 64  # steps the cost fit remembers
+MIN_POINTS = 8  # steps before rows are priced (until then every chain goes whole)
+
+
+class BatchPricing:
+    """Which draft tokens a vLLM step verifies (module docstring). Pure but for the clock the
+    caller reads: ``observe_step(rows, ms)``, ``observe_chain(kind, drafted, accepted)``,
+    ``keep(chains, requests)``."""
+
+    def __init__(self) -> None:
+        self.stats = AcceptanceStats(priors=dict(PRIORS))
+        self.points: deque[tuple[int, float]] = deque(maxlen=COST_POINTS)
+
+    def observe_step(self, rows: int, ms: float) -> None:
+        self.points.append((rows, ms))
+
+    def observe_chain(self, kind: str, drafted: int, accepted: int) -> None:
+        """A chain of ``drafted`` tokens of ``kind`` had its first ``accepted`` taken."""
+        self.stats.observe([ROOT] + list(range(drafted - 1)), [kind] * drafted, list(range(accepted)))
+
+    def cost(self) -> tuple[float, float] | None:
+        """``(a, b)``: a step of n rows costs a + b·n ms (least squares), once measured."""
+        if len(self.points) < MIN_POINTS:
+            return None
+        n = len(self.points)
+        mx = sum(r for r, _ in self.points) / n
+        my = sum(m for _, m in self.points) / n
+        var = sum((r - mx) ** 2 for r, _ in self.points)
+        if var == 0:
+            return None
+        b = max(0.0, sum((r - mx) * (m - my) for r, m in self.points) / var)
+        return max(my - b * mx, 0.0), b
+
+    def keep(self, chains: list[tuple[list[int], str]]) -> list[int]:
+        """How many tokens of each chain to verify: the nodes of all chains (a forest) that
+        maximise the step's expected tokens per ms, each request's own token counted too."""
+        fitted = self.cost()
+        if fitted is None:
+            return [len(c) for c, _ in chains]
+        a, b = fitted
+        parents, values, owner = [], [], []
+        for j, (chain, kind) in enumerate(chains):
+            first = len(parents)
+            parents += [ROOT] + [first + i for i in range(len(chain) - 1)]
+            values += path_values([ROOT] + list(range(len(chain) - 1)), [self.stats.rate(kind)] * len(chain))
+            owner += [j] * len(chain)
+        requests = len(chains)
+        kept = select(parents, values, lambda n: a + b * n, fixed_rows=requests, base=requests)
+        counts = [0] * len(chains)
+        for i in kept:
+            counts[owner[i]] += 1
+        return counts
 
 
 class SchemaFillProposer:
@@ -46,6 +113,9 @@ class SchemaFillProposer:
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, revision=getattr(model, "tokenizer_revision", None),
                                                   trust_remote_code=bool(getattr(model, "trust_remote_code", False)))
         self.drafter = ChainDrafter(tokenizer, fmt=response_format(dict(os.environ)))
+        self.pricing = BatchPricing()
+        self.sent: OrderedDict[tuple[int, ...], tuple[int, list[int], str]] = OrderedDict()  # prompt -> last draft
+        self.last: tuple[float, int, int] | None = None  # the previous call: when, its rows, its requests
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's worker calls it at start-up; there is no model to load."""
@@ -55,12 +125,45 @@ class SchemaFillProposer:
         """One chain per request of vLLM's batch (row i of ``token_ids_cpu`` holds request i's
         prompt and output, its first ``num_tokens_no_spec[i]`` tokens verified); none for a
         request that sampled nothing this step (a prompt still in pieces) or has no room left."""
-        drafts: list[list[int]] = []
+        now = time.perf_counter()
+        steady = all(len(s) for s in sampled_token_ids)
+        if self.last is not None and steady and self.last[2] == len(sampled_token_ids):
+            # the step since the last call verified what it sent, and took no new prompt
+            self.pricing.observe_step(self.last[1], 1e3 * (now - self.last[0]))
+        chains: list[tuple[list[int], str]] = []
+        keys: list[tuple[int, ...] | None] = []
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             room = min(self.k, self.max_model_len - n - 1)
-            if not len(sampled) or room < 1:
-                drafts.append([])
-                continue
-            drafts.append(self.drafter.draft(token_ids_cpu[i, :n].tolist(), room))
+            tokens = token_ids_cpu[i, :n].tolist()
+            key = self._learn(tokens)
+            chains.append(self.drafter.draft_tagged(tokens, room) if len(sampled) and room >= 1 else ([], ""))
+            keys.append(key)
+        counts = self.pricing.keep(chains)
+        drafts = [chain[:c] for (chain, _), c in zip(chains, counts)]
+        for i, (key, (chain, kind), d) in enumerate(zip(keys, chains, drafts)):
+            if key is not None and d:
+                self.sent[key] = (int(num_tokens_no_spec[i]), d, kind)
+                self.sent.move_to_end(key)
+        while len(self.sent) > 1024:
+            self.sent.popitem(last=False)
+        self.last = (time.perf_counter(), sum(1 + len(d) for d in drafts), len(sampled_token_ids))
         return drafts
+
+    def _learn(self, tokens: list[int]) -> tuple[int, ...] | None:
+        """What vLLM committed after this request's last draft says of the draft's kind; the
+        request's key (its prompt), None before its response starts."""
+        start = self.drafter.response_start(tokens)
+        if start is None:
+            return None
+        key = tuple(tokens[:start])
+        sent = self.sent.pop(key, None)
+        if sent is not None:
+            at, draft, kind = sent
+            new = tokens[at:]
+            if new:  # verified since: the draft's tokens it committed, then vLLM's own
+                accepted = 0
+                while accepted < min(len(draft), len(new) - 1) and draft[accepted] == new[accepted]:
+                    accepted += 1
+                self.pricing.observe_chain(kind, len(draft), accepted)
+        return key

@@ -103,3 +103,47 @@ def test_the_proposer_drafts_one_chain_per_row_of_vllms_batch(builtin_artifacts,
     with pytest.raises(ValueError, match="SCHEMAFILL_RESPONSE_FORMAT"):
         response_format({"SCHEMAFILL_RESPONSE_FORMAT": "xml"})
     assert response_format({}) is None and response_format({"SCHEMAFILL_RESPONSE_FORMAT": "json"}) is JSON
+
+
+def test_batch_pricing_keeps_long_chains_alone_and_only_sure_tokens_in_a_big_batch():
+    from infer.vllm.drafting import COPY, STRUCTURE
+    from infer.vllm.proposer import MIN_POINTS, BatchPricing
+
+    pricing = BatchPricing()
+    chains = [([1, 2, 3, 4, 5, 6], STRUCTURE), ([7, 8, 9, 10], COPY)]
+    assert pricing.keep(chains) == [6, 4]  # nothing measured yet: every chain whole
+    for rows in range(MIN_POINTS):  # a step costs 40 ms + 0.2 ms a row: one request's rows are nearly free
+        pricing.observe_step(1 + rows, 40.0 + 0.2 * (1 + rows))
+    assert pricing.cost() == pytest.approx((40.0, 0.2))
+    assert pricing.keep([([7, 8, 9, 10], COPY)]) == [4]  # even a copy's fourth token (1 in 16) pays
+    steep = BatchPricing()
+    for rows in range(MIN_POINTS):  # 40 ms + 5 ms a row, as a CPU's batch of sixteen pays
+        steep.observe_step(16 + rows, 40.0 + 5 * (16 + rows))
+    sixteen = [([1, 2, 3, 4, 5, 6], STRUCTURE)] + [([7, 8, 9, 10], COPY)] * 15
+    counts = steep.keep(sixteen)
+    assert counts[0] > max(counts[1:])  # the structure (0.9 a token) keeps more than copies (0.5)
+    assert sum(counts) < 6 + 15 * 4
+    # copies that are always taken earn their rows
+    for _ in range(50):
+        steep.observe_chain(COPY, 4, 4)
+    assert steep.keep(sixteen)[1:] == [4] * 15
+
+
+def test_the_proposer_learns_from_what_vllm_committed_after_its_draft(builtin_artifacts, smol_tokenizer):
+    import numpy as np
+
+    from infer.vllm.drafting import STRUCTURE
+
+    proposer = SchemaFillProposer(_Config(str(builtin_artifacts / "targets" / "smollm2-135m-base"), 4, 4096))
+    row = after(smol_tokenizer, "bm25", "")
+    ids = np.zeros((1, 4096), dtype=np.int32)
+    ids[0, :len(row)] = row
+    draft = proposer.propose([[1]], np.array([len(row)]), ids)[0]
+    assert len(draft) == 4
+    # vLLM took the first two drafted tokens, then its own token
+    taken = draft[:2] + [draft[2] + 1]
+    ids[0, len(row):len(row) + 3] = taken
+    before = proposer.pricing.stats.rate(STRUCTURE)
+    proposer.propose([[taken[-1]]], np.array([len(row) + 3]), ids)
+    assert proposer.pricing.stats.reached[STRUCTURE] == 3 and proposer.pricing.stats.accepted[STRUCTURE] == 2
+    assert proposer.pricing.stats.rate(STRUCTURE) < before

@@ -88,6 +88,8 @@ class BatchPricing:
         a, b = fitted
         parents, values, owner = [], [], []
         for j, (chain, kind) in enumerate(chains):
+            if not chain:
+                continue
             first = len(parents)
             parents += [ROOT] + [first + i for i in range(len(chain) - 1)]
             values += path_values([ROOT] + list(range(len(chain) - 1)), [self.stats.rate(kind)] * len(chain))

@@ -119,14 +119,15 @@ def test_batch_pricing_keeps_long_chains_alone_and_only_sure_tokens_in_a_big_bat
     steep = BatchPricing()
     for rows in range(MIN_POINTS):  # 40 ms + 5 ms a row, as a CPU's batch of sixteen pays
         steep.observe_step(16 + rows, 40.0 + 5 * (16 + rows))
-    sixteen = [([1, 2, 3, 4, 5, 6], STRUCTURE)] + [([7, 8, 9, 10], COPY)] * 15
+    sixteen = [([1, 2, 3, 4, 5, 6], STRUCTURE)] + [([7, 8, 9, 10], COPY)] * 14 + [([], "")]
     counts = steep.keep(sixteen)
+    assert counts[-1] == 0  # a request with nothing drafted
     assert counts[0] > max(counts[1:])  # the structure (0.9 a token) keeps more than copies (0.5)
     assert sum(counts) < 6 + 15 * 4
     # copies that are always taken earn their rows
     for _ in range(50):
         steep.observe_chain(COPY, 4, 4)
-    assert steep.keep(sixteen)[1:] == [4] * 15
+    assert steep.keep(sixteen)[1:] == [4] * 14 + [0]
 
 
 def test_the_proposer_learns_from_what_vllm_committed_after_its_draft(builtin_artifacts, smol_tokenizer):

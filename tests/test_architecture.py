@@ -16,7 +16,7 @@ PACKAGES = ("schemafill", "data_gen", "train", "infer", "benchmarks")
 
 # the rooms of infer/, lowest first: a module may import its own room and the ones below it
 ROOMS = ["infer.spec", "infer.pricing", "infer.proposers", "infer.slots", "infer.decoders"]
-TOP = {"infer.eval", "infer.serving"}  # above every room, and apart: neither imports the other
+TOP = {"infer.eval", "infer.serving", "infer.vllm"}  # above every room, and apart: none imports another
 ENTRIES = {"infer.run", "infer.serve", "train.run"}  # entry scripts: may import what they run
 PURE = {"infer.spec.tree", "infer.spec.verify", "infer.spec.commit", "infer.spec.sampling", "infer.spec.arena",
         "infer.spec.candidates", "infer.spec.share", "infer.pricing.selection", "infer.pricing.acceptance",

@@ -15,7 +15,7 @@ format the drafts are written in; by default each prompt's own instructions deci
 How much of each chain goes to vLLM is priced per step, as our own runtime prices a batch
 (``BatchPricing``): a chain's tokens are worth their chance of being accepted (learnt per kind of
 chain from what vLLM committed after each draft), a row costs what vLLM's step measured (a + b·rows,
-fitted to the time between calls, apart for each batch size), and the rows kept across the batch are those that raise the
+fitted to the time between calls), and the rows kept across the batch are those that raise the
 step's expected tokens per millisecond. One request alone keeps long chains (on a CPU its rows are
 nearly free); sixteen keep only their surest tokens, since there every row costs a token's worth.
 """
@@ -28,7 +28,6 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from infer.pricing.acceptance import AcceptanceStats
-from infer.pricing.cost_model import size_bucket
 from infer.pricing.selection import path_values, select
 from infer.spec.tree import ROOT
 from infer.vllm.drafting import COPY, STRUCTURE, VALUE, ChainDrafter
@@ -58,35 +57,32 @@ class BatchPricing:
 
     def __init__(self) -> None:
         self.stats = AcceptanceStats(priors=dict(PRIORS))
-        # per batch size (bucketed): a step's cost depends on its requests as well as its rows
-        self.points: dict[int, deque[tuple[int, float]]] = {}
+        self.points: deque[tuple[int, float]] = deque(maxlen=COST_POINTS)
 
-    def observe_step(self, requests: int, rows: int, ms: float) -> None:
-        self.points.setdefault(size_bucket(requests), deque(maxlen=COST_POINTS)).append((rows, ms))
+    def observe_step(self, rows: int, ms: float) -> None:
+        self.points.append((rows, ms))
 
     def observe_chain(self, kind: str, drafted: int, accepted: int) -> None:
         """A chain of ``drafted`` tokens of ``kind`` had its first ``accepted`` taken."""
         self.stats.observe([ROOT] + list(range(drafted - 1)), [kind] * drafted, list(range(accepted)))
 
-    def cost(self, requests: int) -> tuple[float, float] | None:
-        """``(a, b)``: a step of this many requests and n rows costs a + b·n ms (least squares
-        over steps of as many requests), once measured."""
-        points = self.points.get(size_bucket(requests), ())
-        if len(points) < MIN_POINTS:
+    def cost(self) -> tuple[float, float] | None:
+        """``(a, b)``: a step of n rows costs a + b·n ms (least squares), once measured."""
+        if len(self.points) < MIN_POINTS:
             return None
-        n = len(points)
-        mx = sum(r for r, _ in points) / n
-        my = sum(m for _, m in points) / n
-        var = sum((r - mx) ** 2 for r, _ in points)
+        n = len(self.points)
+        mx = sum(r for r, _ in self.points) / n
+        my = sum(m for _, m in self.points) / n
+        var = sum((r - mx) ** 2 for r, _ in self.points)
         if var == 0:
             return None
-        b = max(0.0, sum((r - mx) * (m - my) for r, m in points) / var)
+        b = max(0.0, sum((r - mx) * (m - my) for r, m in self.points) / var)
         return max(my - b * mx, 0.0), b
 
     def keep(self, chains: list[tuple[list[int], str]]) -> list[int]:
         """How many tokens of each chain to verify: the nodes of all chains (a forest) that
         maximise the step's expected tokens per ms, each request's own token counted too."""
-        fitted = self.cost(len(chains))
+        fitted = self.cost()
         if fitted is None:
             return [len(c) for c, _ in chains]
         a, b = fitted
@@ -135,7 +131,7 @@ class SchemaFillProposer:
         steady = all(len(s) for s in sampled_token_ids)
         if self.last is not None and steady and self.last[2] == len(sampled_token_ids):
             # the step since the last call verified what it sent, and took no new prompt
-            self.pricing.observe_step(self.last[2], self.last[1], 1e3 * (now - self.last[0]))
+            self.pricing.observe_step(self.last[1], 1e3 * (now - self.last[0]))
         chains: list[tuple[list[int], str]] = []
         keys: list[tuple[int, ...] | None] = []
         for i, sampled in enumerate(sampled_token_ids):

@@ -113,13 +113,12 @@ def test_batch_pricing_keeps_long_chains_alone_and_only_sure_tokens_in_a_big_bat
     chains = [([1, 2, 3, 4, 5, 6], STRUCTURE), ([7, 8, 9, 10], COPY)]
     assert pricing.keep(chains) == [6, 4]  # nothing measured yet: every chain whole
     for rows in range(MIN_POINTS):  # a step costs 40 ms + 0.2 ms a row: one request's rows are nearly free
-        pricing.observe_step(1, 1 + rows, 40.0 + 0.2 * (1 + rows))
-    assert pricing.cost(1) == pytest.approx((40.0, 0.2)) and pricing.cost(16) is None  # per batch size
+        pricing.observe_step(1 + rows, 40.0 + 0.2 * (1 + rows))
+    assert pricing.cost() == pytest.approx((40.0, 0.2))
     assert pricing.keep([([7, 8, 9, 10], COPY)]) == [4]  # even a copy's fourth token (1 in 16) pays
-    steep = pricing
+    steep = BatchPricing()
     for rows in range(MIN_POINTS):  # 40 ms + 5 ms a row, as a CPU's batch of sixteen pays
-        steep.observe_step(16, 16 + rows, 40.0 + 5 * (16 + rows))
-    assert steep.cost(16) == pytest.approx((40.0, 5.0)) and steep.cost(1) == pytest.approx((40.0, 0.2))
+        steep.observe_step(16 + rows, 40.0 + 5 * (16 + rows))
     sixteen = [([1, 2, 3, 4, 5, 6], STRUCTURE)] + [([7, 8, 9, 10], COPY)] * 14 + [([], "")]
     counts = steep.keep(sixteen)
     assert counts[-1] == 0  # a request with nothing drafted

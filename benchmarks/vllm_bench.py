@@ -1,7 +1,7 @@
 """vLLM bench: SchemaFill's proposer inside vLLM beside vLLM's own speculation, on one target.
 
     make vllm-bench                       # its own environment (.venv-vllm), so `make test` stays light
-    .venv-vllm/bin/python benchmarks/vllm_bench.py [--limit 16] [--configs ar,ngram,suffix,schemafill]
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_bench.py [--limit 16] [--configs ar,ngram,suffix,schemafill]
                                                    [--artifacts artifacts] [--out outputs/bench/vllm.json]
 
 Each configuration runs in a process of its own (one vLLM engine at a time on the host): the
@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from schemafill import atomic
+from schemafill.device import host_summary
 
 CONFIGS = "ar,ngram,suffix,schemafill"
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,13 +137,6 @@ def run_config(name: str, args: argparse.Namespace, lengths: list[int] | None) -
                          "tps": round(sum(map(len, tokens_many)) / many, 2), "al": al(after_one, after_many)}}
 
 
-def host() -> dict:
-    import torch
-
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--configs", default=CONFIGS, help=f"comma-separated, from {CONFIGS}")
@@ -205,13 +201,10 @@ def main() -> None:
                      r["together"]["tps"] / ar["together"]["tps"], r["together"]["al"],
                      None if same is None else f"{same}/{len(r['outputs'])}, {same_together}/{len(r['outputs_together'])}",
                      r["startup_s"]))
-    out = {"host": host(), "configs": results, "errors": errors,
+    out = {"host": host_summary(), "configs": results, "errors": errors,
            "args": {k: v for k, v in vars(args).items() if k not in ("one", "lengths", "result")}}
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(path)
+    atomic.write_json(path, out)
     n = len(next(iter(results.values()))["outputs"]) if results else 0
     print(f"\n| vLLM ({args.dtype}) | one at a time tok/s | ×AR | AL | {n} at once tok/s | ×AR | AL | "
           f"= AR (one, at once) | start-up s |")
@@ -220,7 +213,7 @@ def main() -> None:
         print(f"| {name} | {t1:.1f} | {x1:.2f} | {a1 or '-'} | {tn:.1f} | {xn:.2f} | {an or '-'} | {same or '-'} | "
               f"{startup} |")
     h = out["host"]
-    print(f"[vllm-bench] host: {h['cpu_capability']}, {h['cpu_count']} CPUs; wrote {path}")
+    print(f"[vllm-bench] host: {h['cpu_model']} ({h['cpu_capability']}, {h['cpu_count']} CPUs); wrote {path}")
 
 
 if __name__ == "__main__":

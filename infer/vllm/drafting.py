@@ -97,11 +97,12 @@ class ChainDrafter:
     def draft(self, tokens: list[int], k: int) -> list[int]:
         return self.draft_tagged(tokens, k)[0]
 
-    def draft_tagged(self, tokens: list[int], k: int) -> tuple[list[int], str]:
+    def draft_tagged(self, tokens: list[int], k: int, start: int | None = None) -> tuple[list[int], str]:
         """``draft``, and what the chain is: ``structure`` (the packer's, up to the first
         value), ``value`` (a copied value, closed, and the structure after it), ``copy`` (a
-        token copy); acceptance is learnt per kind (``proposer.py``)."""
-        start = self.response_start(tokens)
+        token copy); acceptance is learnt per kind (``proposer.py``). ``start``: where the
+        response starts, when the caller has found it (``response_start``)."""
+        start = self.response_start(tokens) if start is None else start
         if start is None or k < 1:
             return [], ""
         prompt = self.prompt(tokens[:start])
@@ -135,11 +136,9 @@ class ChainDrafter:
         given the ``value`` being written (its literal so far and a guess at the rest), through
         its guessed end and on with the structure after it."""
         plans = prompt.plans()
-        for j, call in enumerate(layout):
+        for j, call in enumerate(layout):  # every call opened, the current one with its name once written
             if call.name is not None:
                 rebind(plans, j, call.name, prompt.functions)
-        if state.tool_name is not None:
-            rebind(plans, current_call(state), state.tool_name, prompt.functions)
         provisional = None if value is None else {(current_call(state), state.field): value}
         suffix = propose(text, state, plans, provisional=provisional, fmt=prompt.fmt, close=value is not None)
         return continuation_ids(self.tokenizer, response, text, suffix.rstrip(" "), prompt.fmt)

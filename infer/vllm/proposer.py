@@ -16,8 +16,8 @@ How much of each chain goes to vLLM is priced per step, as our own runtime price
 (``BatchPricing``): a chain's tokens are worth their chance of being accepted (learnt per kind of
 chain from what vLLM committed after each draft), a row costs what vLLM's step measured (a + b·rows,
 fitted to the time between calls), and the rows kept across the batch are those that raise the
-step's expected tokens per millisecond. One request alone keeps long chains (on a CPU its rows are
-nearly free); sixteen keep only their surest tokens, since there every row costs a token's worth.
+step's expected tokens per millisecond: where rows are nearly free (one request on a CPU) long chains
+go, where a row costs about what a token is worth (many requests) only the surest tokens do.
 """
 
 from __future__ import annotations
@@ -138,8 +138,12 @@ class SchemaFillProposer:
             n = int(num_tokens_no_spec[i])
             room = min(self.k, self.max_model_len - n - 1)
             tokens = token_ids_cpu[i, :n].tolist()
-            key = self._learn(tokens)
-            chains.append(self.drafter.draft_tagged(tokens, room) if len(sampled) and room >= 1 else ([], ""))
+            start = self.drafter.response_start(tokens)
+            key = None if start is None else tuple(tokens[:start])
+            if key is not None:
+                self._learn(key, tokens)
+            chains.append(self.drafter.draft_tagged(tokens, room, start) if len(sampled) and room >= 1
+                          else ([], ""))
             keys.append(key)
         counts = self.pricing.keep(chains)
         drafts = [chain[:c] for (chain, _), c in zip(chains, counts)]
@@ -152,20 +156,16 @@ class SchemaFillProposer:
         self.last = (time.perf_counter(), sum(1 + len(d) for d in drafts), len(sampled_token_ids))
         return drafts
 
-    def _learn(self, tokens: list[int]) -> tuple[int, ...] | None:
-        """What vLLM committed after this request's last draft says of the draft's kind; the
-        request's key (its prompt), None before its response starts."""
-        start = self.drafter.response_start(tokens)
-        if start is None:
-            return None
-        key = tuple(tokens[:start])
+    def _learn(self, key: tuple[int, ...], tokens: list[int]) -> None:
+        """What vLLM committed after this request's (``key``: its prompt) last draft says of the
+        draft's kind."""
         sent = self.sent.pop(key, None)
-        if sent is not None:
-            at, draft, kind = sent
-            new = tokens[at:]
-            if new:  # verified since: the draft's tokens it committed, then vLLM's own
-                accepted = 0
-                while accepted < min(len(draft), len(new) - 1) and draft[accepted] == new[accepted]:
-                    accepted += 1
-                self.pricing.observe_chain(kind, len(draft), accepted)
-        return key
+        if sent is None:
+            return
+        at, draft, kind = sent
+        new = tokens[at:]
+        if new:  # verified since: the draft's tokens it committed, then vLLM's own
+            accepted = 0
+            while accepted < min(len(draft), len(new) - 1) and draft[accepted] == new[accepted]:
+                accepted += 1
+            self.pricing.observe_chain(kind, len(draft), accepted)

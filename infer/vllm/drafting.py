@@ -29,6 +29,7 @@ from typing import Any
 
 from infer.proposers.lookup import copy_matches
 from infer.slots.align import current_call, rebind
+from infer.slots.drafting import copy_source
 from infer.slots.forecast import call_plan, forecast_groups, rank_tools
 from infer.slots.packer import CallPlan, propose
 from schemafill.parser import CallLayout, ParseState, ToolCallParser
@@ -36,7 +37,7 @@ from schemafill.prompt import INSTRUCTIONS, format_instructions
 from schemafill.response_format import FORMATS, HERMES, JSON, ResponseFormat, continuation_ids
 from schemafill.toolcall import ToolRequest
 
-STRUCTURE, VALUE, COPY = "structure", "value", "copy"  # what a chain is (acceptance is learnt per kind)
+STRUCTURE, VALUE = "structure", "value"  # what a chain is, or a copy's source (acceptance is learnt per kind)
 PLAIN_MARKER = "\n\nResponse:\n"  # how a plain prompt hands over (``schemafill.prompt.render_plain``)
 SCHEMA_START = re.compile(r'\{\s*"(?:name|type)"\s*:')
 WORD_REST = re.compile(r'[^\s"\\,.;:!?()\[\]{}]*')  # where a copied word goes on
@@ -115,20 +116,33 @@ class ChainDrafter:
             return [], ""  # not a tool-call response
         parser = ToolCallParser(fmt)
         state = parser.feed(text)
-        if state.error is not None or state.closed:
+        if state.closed:
             return [], ""
-        if state.in_value:
+        chain, kind = [], ""
+        if state.error is None and state.in_value:
             copied = self.value_copy(prompt, text, state)
-            chain, kind = (self.structure(prompt, text, state, parser.layout, response, copied), VALUE) if copied \
-                else ([], "")
-        else:
+            if copied:
+                chain, kind = self.structure(prompt, text, state, parser.layout, response, copied), VALUE
+        elif state.error is None:
             chain, kind = self.structure(prompt, text, state, parser.layout, response), STRUCTURE
         if not chain and self.copy_len:
-            n = min(k, self.copy_len)
-            found = copy_matches(tokens, tokens[:start], length=n, most=1) or \
-                copy_matches(tokens, response, length=n, overlap=True, most=1)
-            chain, kind = (found[0][0], COPY) if found else ([], "")
+            # a value the conversation does not hold, or a response gone off its format (a small
+            # target looping inside a string): what followed the same tokens before
+            chain, kind = self.copy(tokens, start, min(k, self.copy_len), state.in_value)
         return chain[:k], kind if chain else ""
+
+    @staticmethod
+    def copy(tokens: list[int], start: int, n: int, in_value: bool) -> tuple[list[int], str]:
+        """The copy whose source agrees longest with the text before it, from the prompt or
+        the response so far (on a tie the response: a response repeats itself), tagged by
+        where from and how long the agreement is (``copy_source``)."""
+        best: tuple[int, list[int], str] | None = None
+        for source, where, own in ((tokens[start:], "copy_response", True),
+                                   (tokens[:start], "copy_value" if in_value else "copy_prompt", False)):
+            for copied, matched in copy_matches(tokens, source, length=n, overlap=own, most=1):
+                if best is None or matched > best[0]:
+                    best = (matched, copied, copy_source(where, matched))
+        return ([], "") if best is None else (best[1], best[2])
 
     def structure(self, prompt: Prompt, text: str, state: ParseState, layout: tuple[CallLayout, ...],
                   response: list[int], value: str | None = None) -> list[int]:

@@ -30,7 +30,7 @@ from typing import Any
 from infer.pricing.acceptance import AcceptanceStats
 from infer.pricing.selection import path_values, select
 from infer.spec.tree import ROOT
-from infer.vllm.drafting import COPY, STRUCTURE, VALUE, ChainDrafter
+from infer.vllm.drafting import STRUCTURE, VALUE, ChainDrafter
 from schemafill.response_format import FORMATS
 
 FORMAT_ENV = "SCHEMAFILL_RESPONSE_FORMAT"
@@ -45,7 +45,9 @@ def response_format(env: dict[str, str]):
     return FORMATS[name]
 
 
-PRIORS = {STRUCTURE: 0.9, VALUE: 0.6, COPY: 0.5}  # acceptance before any is observed
+# acceptance before any is observed; a copy starts from the runtime's prior for its source
+# (``infer/pricing/acceptance.py``: by how long its agreement with the text before it is)
+PRIORS = {STRUCTURE: 0.9, VALUE: 0.6}
 COST_POINTS = 64  # steps the cost fit remembers
 MIN_POINTS = 8  # steps before rows are priced (until then every chain goes whole)
 
@@ -58,6 +60,7 @@ class BatchPricing:
     def __init__(self) -> None:
         self.stats = AcceptanceStats(priors=dict(PRIORS))
         self.points: deque[tuple[int, float]] = deque(maxlen=COST_POINTS)
+        self.fitted: tuple[float, float] | None = None  # the last fit (kept while steps are all alike)
 
     def observe_step(self, rows: int, ms: float) -> None:
         self.points.append((rows, ms))
@@ -67,17 +70,20 @@ class BatchPricing:
         self.stats.observe([ROOT] + list(range(drafted - 1)), [kind] * drafted, list(range(accepted)))
 
     def cost(self) -> tuple[float, float] | None:
-        """``(a, b)``: a step of n rows costs a + b·n ms (least squares), once measured."""
+        """``(a, b)``: a step of n rows costs a + b·n ms (least squares), once measured. Steps
+        that all had the same rows (one request drafting nothing for a while) say nothing of a
+        row's cost: the last fit stands."""
         if len(self.points) < MIN_POINTS:
-            return None
+            return self.fitted
         n = len(self.points)
         mx = sum(r for r, _ in self.points) / n
         my = sum(m for _, m in self.points) / n
         var = sum((r - mx) ** 2 for r, _ in self.points)
         if var == 0:
-            return None
+            return self.fitted
         b = max(0.0, sum((r - mx) * (m - my) for r, m in self.points) / var)
-        return max(my - b * mx, 0.0), b
+        self.fitted = (max(my - b * mx, 0.0), b)
+        return self.fitted
 
     def keep(self, chains: list[tuple[list[int], str]]) -> list[int]:
         """How many tokens of each chain to verify: the nodes of all chains (a forest) that

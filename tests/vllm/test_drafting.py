@@ -54,6 +54,15 @@ def test_a_chat_template_prompt_and_the_json_format(drafter, smol_tokenizer):
     assert drafted(drafter, tokens) == '{"tool_calls": [{"name": "get_weather", "arguments": {"city":'
 
 
+def test_a_response_gone_off_its_format_is_drafted_from_its_own_repetition(drafter, smol_tokenizer):
+    # a small target looping inside a value: the JSON broke at the second quote, the loop goes on
+    loop = 'The city, e.g., "'
+    tokens = after(smol_tokenizer, "bm25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + loop * 3)
+    chain, kind = drafter.draft_tagged(tokens, 8)
+    assert (loop * 2).startswith(smol_tokenizer.decode(chain))  # the loop's next turn
+    assert len(chain) == 8 and kind == "copy_response16"  # the whole loop agrees with what came before
+
+
 def test_no_tool_call_no_draft(drafter, smol_tokenizer):
     assert drafter.draft(after(smol_tokenizer, "bm25", "Sorry, I cannot"), 8) == []  # a reply in words
     no_tools = smol_tokenizer("User: hello\n\nResponse:\n", add_special_tokens=False).input_ids
@@ -106,9 +115,10 @@ def test_the_proposer_drafts_one_chain_per_row_of_vllms_batch(builtin_artifacts,
 
 
 def test_batch_pricing_keeps_long_chains_alone_and_only_sure_tokens_in_a_big_batch():
-    from infer.vllm.drafting import COPY, STRUCTURE
+    from infer.vllm.drafting import STRUCTURE
     from infer.vllm.proposer import MIN_POINTS, BatchPricing
 
+    COPY = "copy_prompt4"  # a copy after 3-7 agreeing tokens: 1 in 2 before any is observed
     pricing = BatchPricing()
     chains = [([1, 2, 3, 4, 5, 6], STRUCTURE), ([7, 8, 9, 10], COPY)]
     assert pricing.keep(chains) == [6, 4]  # nothing measured yet: every chain whole
@@ -128,6 +138,18 @@ def test_batch_pricing_keeps_long_chains_alone_and_only_sure_tokens_in_a_big_bat
     for _ in range(50):
         steep.observe_chain(COPY, 4, 4)
     assert steep.keep(sixteen)[1:] == [4] * 14 + [0]
+
+
+def test_steps_all_alike_keep_the_last_cost_fit():
+    from infer.vllm.proposer import COST_POINTS, MIN_POINTS, BatchPricing
+
+    pricing = BatchPricing()
+    for rows in range(MIN_POINTS):
+        pricing.observe_step(1 + rows, 20.0 + 2 * (1 + rows))
+    assert pricing.cost() == pytest.approx((20.0, 2.0))
+    for _ in range(COST_POINTS):  # one request drafting nothing: every step one row
+        pricing.observe_step(1, 22.0)
+    assert pricing.cost() == pytest.approx((20.0, 2.0))  # not "unmeasured", which would send chains whole
 
 
 def test_the_proposer_learns_from_what_vllm_committed_after_its_draft(builtin_artifacts, smol_tokenizer):

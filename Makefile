@@ -67,7 +67,7 @@ serve: setup  ## the OpenAI-compatible endpoint on the built-in target, SchemaFi
 	$(BIN)/python infer/serve.py model=smollm2-135m method=schemafill methods=[ar,eagle3]
 
 SERVE_BENCH_LIMIT ?= 12
-CONCURRENCY_LIMIT ?= 16
+CONCURRENCY_LIMIT ?= 48
 serve-bench: setup  ## in-process decode vs the HTTP path (whole and streamed), per method, same requests -> outputs/serve_bench.json
 	$(BIN)/python benchmarks/serve_bench.py --limit $(SERVE_BENCH_LIMIT) --methods ar,eagle3,schemafill
 

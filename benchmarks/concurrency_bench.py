@@ -1,6 +1,6 @@
 """Concurrency bench: what each method gives many clients of one batching server at once.
 
-    python benchmarks/concurrency_bench.py [--limit 16] [--clients 1,4,8,16] [--methods ...]
+    python benchmarks/concurrency_bench.py [--limit 48] [--clients 1,4,8,16] [--methods ...]
                                            [--out outputs/bench/concurrency.json] [serve overrides ...]
     make bench-concurrency
 
@@ -107,7 +107,9 @@ def plot(result: dict, path: Path, host: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", default="artifacts/requests/bfcl450.jsonl")
-    ap.add_argument("--limit", type=int, default=16, help="requests, spread evenly over the file")
+    ap.add_argument("--limit", type=int, default=48,
+                    help="requests, spread evenly over the file; a few times the most clients, or a run is one\n"
+                         "wave of requests and its longest request, decoding alone at the end, sets its time")
     ap.add_argument("--clients", default="1,4,8,16", help="numbers of concurrent clients")
     ap.add_argument("--methods", default=METHODS)
     ap.add_argument("--out", default="outputs/bench/concurrency.json")

@@ -10,9 +10,11 @@ carried between steps, so requests joining, leaving or moving in the engine's ba
 put a stale state on another): the packer's chain after the committed text — wrappers, tool
 names, argument keys, separators and closings, realized calls rebinding their plans — up to
 the first value; inside a value, the rest of the conversation's word it started (matched as
-text), closed there and followed by the structure after it; when neither applies, a copy of
-what followed the same tokens in the prompt or earlier in the response. One chain of at most ``k`` tokens:
-the engine verifies chains, and its rejection sampler decides every token.
+text), closed there and followed by the structure after it; when neither applies, or the
+response has gone off its format (a small target looping inside a string), a copy of what
+followed the same tokens in the prompt or earlier in the response, whichever agrees longer. One
+chain of at most ``k`` tokens: the engine verifies chains, and its rejection sampler decides
+every token.
 
 Where the response starts: after the last generation marker in the tokens — the chat
 template's generation prompt, or the plain prompt's ``Response:`` line. No marker, no catalog

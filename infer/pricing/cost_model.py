@@ -29,10 +29,12 @@ predicted milliseconds per size bucket, apart for calls with SIDE rows.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-import dataclasses
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,24 +68,11 @@ class CostModel:
 
     def __call__(self, n: int) -> float:
         """Milliseconds of one forward over ``n`` rows (n ≥ 1)."""
-        xs, ys = self.sizes, self.ms
-        if len(xs) == 1 or n <= xs[0]:
-            return ys[0]
-        for i in range(1, len(xs)):
-            if n <= xs[i]:
-                a, b = xs[i - 1], xs[i]
-                return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - a) / (b - a)
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return ys[-1] + slope * (n - xs[-1])
+        return interpolate(self.sizes, self.ms, n, extrapolate=True)
 
     def linear_fit(self) -> tuple[float, float]:
         """Least squares ``c(n) ≈ a + b·n`` (ms, ms per row): the one-line summary a report prints."""
-        n, xs, ys = len(self.sizes), self.sizes, self.ms
-        if n == 1:
-            return ys[0], 0.0
-        mx, my = sum(xs) / n, sum(ys) / n
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        return my - b * mx, b
+        return line_fit(self.sizes, self.ms) or (self.ms[0], 0.0)
 
     def summary(self) -> dict:
         a, b = self.linear_fit()
@@ -127,15 +116,7 @@ class LiveCost:
     def __call__(self, n: int, side: bool = False) -> float:
         """Milliseconds of a call of ``n`` rows, ``side``: some of them SIDE rows."""
         xs, corr = self._corrections(side)
-        if not xs:
-            return self.base(n)
-        if n <= xs[0]:
-            return self.base(n) + corr[0]
-        for i in range(1, len(xs)):
-            if n <= xs[i]:
-                w = (n - xs[i - 1]) / (xs[i] - xs[i - 1])
-                return self.base(n) + corr[i - 1] + w * (corr[i] - corr[i - 1])
-        return self.base(n) + corr[-1]
+        return self.base(n) + (interpolate(xs, corr, n) if xs else 0.0)
 
     def _corrections(self, side: bool) -> tuple[list[float], list[float]]:
         """The measured points of the curve for ``side`` calls: mean sizes, and the correction
@@ -166,6 +147,30 @@ class LiveCost:
             "ms": round(self(self.rows[(n, side)] / c, side), 2),
             "correction_ms": round(self.residual[(n, side)] / c, 2)}
             for (n, side), c in sorted(self.calls.items())}}
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float, extrapolate: bool = False) -> float:
+    """The piecewise-linear curve through ``(xs, ys)`` (xs increasing) at ``x``: flat below the
+    first point; past the last, flat or (``extrapolate``) along the last segment."""
+    i = bisect_left(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        if not extrapolate or len(xs) == 1:
+            return ys[-1]
+        i -= 1
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
+    """Least squares ``y ≈ a + b·x``: ``(a, b)``, or None when every x is the same."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return None
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    return my - b * mx, b
 
 
 def isotonic(values: tuple[float, ...] | list[float]) -> list[float]:

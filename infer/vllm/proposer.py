@@ -28,6 +28,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from infer.pricing.acceptance import AcceptanceStats
+from infer.pricing.cost_model import line_fit
 from infer.pricing.selection import path_values, select
 from infer.spec.tree import ROOT
 from infer.vllm.drafting import STRUCTURE, VALUE, ChainDrafter
@@ -75,14 +76,11 @@ class BatchPricing:
         row's cost: the last fit stands."""
         if len(self.points) < MIN_POINTS:
             return self.fitted
-        n = len(self.points)
-        mx = sum(r for r, _ in self.points) / n
-        my = sum(m for _, m in self.points) / n
-        var = sum((r - mx) ** 2 for r, _ in self.points)
-        if var == 0:
-            return self.fitted
-        b = max(0.0, sum((r - mx) * (m - my) for r, m in self.points) / var)
-        self.fitted = (max(my - b * mx, 0.0), b)
+        rows, ms = zip(*self.points)
+        fit = line_fit(rows, ms)
+        if fit is not None:
+            b = max(0.0, fit[1])  # a row never makes a step cheaper
+            self.fitted = (max(sum(ms) / len(ms) - b * sum(rows) / len(rows), 0.0), b)
         return self.fitted
 
     def keep(self, chains: list[tuple[list[int], str]]) -> list[int]:

@@ -80,7 +80,7 @@ def run(folder: Path, dtypes: list[torch.dtype], contexts: tuple[int, ...], size
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "context": context, "rows": n,
                              "ours_ms": round(ms[i], 2), "hf_ms": None if hf is None else round(hf, 2),
                              "bound_ms": round(bound_ms, 2), "x_bound": round(ms[i] / bound_ms, 2),
-                             "few_rows": target.few_rows, "fold_groups": target.fold_groups})
+                             "products": target.products, "fold_groups": target.fold_groups})
         del target, model
     return {"host": host_summary(), "read_gb_s": round(bandwidth, 1), "target": str(folder), "rows": rows}
 

@@ -25,20 +25,67 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that can compute a few rows as ``(W @ xᵀ)ᵀ``. On some CPUs the BLAS runs a
-    2-16-row product through a kernel that costs far more than one row's (a verification of
-    four tokens then costs 1.5 AR steps); the transposed product streams the weights once.
-    ``few_rows`` (0: never) is set from a timed probe (``schemafill.runtime.tune_few_rows``)."""
+KERNELS = ("plain", "transposed", "packed")
 
-    few_rows = 0
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose CPU product is chosen per row count (``plan``, from a timed probe:
+    ``schemafill.runtime.tune_products``). The same numbers up to rounding, at very different
+    speeds on some CPUs, where the BLAS's one-row and few-row products stream the weights at
+    under half the host's read rate:
+
+    * ``plain`` — ``F.linear``, the BLAS's own choice;
+    * ``transposed`` — ``(W @ xᵀ)ᵀ``, a lone row padded to two: a product with a few columns,
+      which streams the weights once where the BLAS's few-row kernel does not;
+    * ``packed`` — oneDNN's product over a copy of W prepacked in its blocked layout
+      (``pack``), a lone row padded to two: its one-row kernel differs from its many-row one,
+      and padded every row gets the same numbers whatever the call's row count.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan: tuple[tuple[int, str], ...] = ()  # (most rows, kernel) ascending; past the last: its kernel
+        self.packed: torch.Tensor | None = None  # oneDNN's layout of ``weight`` (not a parameter)
+
+    @classmethod
+    def fused(cls, parts: list["Linear"]) -> "Linear":
+        """One product for several over the same input (Q/K/V, gate/up): outputs one after another."""
+        first = parts[0]
+        out = cls(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                  device=first.weight.device, dtype=first.weight.dtype)
+        with torch.no_grad():
+            out.weight.copy_(torch.cat([p.weight for p in parts]))
+            if first.bias is not None:
+                out.bias.copy_(torch.cat([p.bias for p in parts]))
+        return out.requires_grad_(first.weight.requires_grad)
+
+    def pack(self) -> None:
+        """Keep oneDNN's prepacked copy of the weight (its layout for any row count)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+
+    def kernel(self, rows: int) -> str:
+        for most, kernel in self.plan:
+            if rows <= most:
+                return kernel
+        return self.plan[-1][1] if self.plan else "plain"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., In] -> [..., Out]
+        if not self.plan:
+            return super().forward(x)
         rows = x.numel() // x.shape[-1]
-        if 1 < rows <= self.few_rows:
-            y = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
-            return y if self.bias is None else y + self.bias
-        return super().forward(x)
+        return self.product(x.reshape(rows, -1), self.kernel(rows)).reshape(*x.shape[:-1], -1)
+
+    def product(self, x: torch.Tensor, kernel: str) -> torch.Tensor:  # [N, In] -> [N, Out]
+        if kernel == "plain":
+            return super().forward(x)
+        rows = x.shape[0]
+        padded = x.repeat(2, 1) if rows == 1 else x
+        if kernel == "packed":
+            y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
+        else:
+            y = (self.weight @ padded.T).T.contiguous()  # row-major, as attention's kernels need
+            y = y if self.bias is None else y + self.bias
+        return y[:rows]
 
 
 class MLP(nn.Module):
@@ -47,8 +94,17 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up: Linear | None = None
+
+    def fuse(self) -> None:
+        """Gate and up as one product (``gate_up``); the two projections are dropped."""
+        self.gate_up = Linear.fused([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -16,7 +16,9 @@ and rotary tables in fp32), so fp32 logits match it tightly; SDPA on CPU (fp32) 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill.layers import MLP, Linear, RMSNorm, Rotary, apply_rotary, attend, query_blocks
+from schemafill.layers import KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary, attend, query_blocks
+from schemafill import atomic
 from schemafill.timing import alternating_ms
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -155,15 +158,25 @@ class Attention(nn.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.qkv: Linear | None = None
+
+    def fuse(self) -> None:
+        """Q, K and V as one product (``qkv``); the three projections are dropped."""
+        self.qkv = Linear.fused([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: "ArenaCall | Packed"
                 ) -> torch.Tensor:
         # x: [B, T, H]; cos, sin: [B, T, hd]
         b, t, _ = x.shape
         hd = self.c.head_dim
-        q = self.q_proj(x).view(b, t, -1, hd)
-        k = self.k_proj(x).view(b, t, -1, hd)
-        v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+        if self.qkv is not None:
+            kv_width = self.c.num_kv_heads * hd
+            q, k, v = self.qkv(x).split([self.c.num_heads * hd, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = q.reshape(b, t, -1, hd), k.reshape(b, t, -1, hd)
+        v = v.reshape(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
         if self.c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, Hq, T, hd]
@@ -267,7 +280,7 @@ class Target(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(inv_freq, attention_scaling)
-        self.few_rows = 0  # products of up to this many rows run transposed (``tune_few_rows``)
+        self.products: tuple[tuple[int, str], ...] = ()  # every projection's kernel plan (``tune_products``)
         self.fold_groups = False  # one-token attention folds grouped heads (``tune_attention``)
 
     @property
@@ -386,43 +399,119 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
 
 
 def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
-    """A runtime target sharing the parameters of an in-memory ``transformers`` model."""
+    """A runtime target sharing the parameters of an in-memory ``transformers`` model (on a
+    CPU, the fused Q/K/V and gate/up products hold copies: build it after training, not before)."""
     hf = model.config
     target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
     state = dict(model.state_dict())
     return tune(_install(target, state).to(next(model.parameters()).device).eval())
 
 
-FEW_ROWS = (2, 4, 8, 16)
+# row counts the product probe times; a count between two takes the larger one's kernel
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+TRANSPOSED_ROWS = 16  # past this many rows the transposed product is the plain one
 
 
-def tune(target: Target) -> Target:
-    """The CPU kernel choices of a freshly loaded target, each from a timed probe."""
-    return tune_attention(tune_few_rows(target))
+def tune(target: Target, cache_dir: Path | None = None) -> Target:
+    """The CPU kernel choices of a freshly loaded target, each from a timed probe. On a CPU
+    the Q/K/V and gate/up projections become one product each first (fewer, larger calls)."""
+    if target.device.type == "cpu":
+        fuse(target)
+    return tune_attention(tune_products(target, cache_dir=cache_dir))
+
+
+def fuse(target: Target) -> Target:
+    """Q/K/V and gate/up as one product each, in every layer (their weights are copied, so a
+    target that will be trained is not fused)."""
+    for layer in target.model.layers:
+        if layer.self_attn.qkv is None:
+            layer.self_attn.fuse()
+        if layer.mlp.gate_up is None:
+            layer.mlp.fuse()
+    return target
+
+
+def plan_of(choices: dict[int, str]) -> tuple[tuple[int, str], ...]:
+    """The kernel plan from the fastest kernel per probed row count: runs of one kernel merged;
+    a row count past the last probed one keeps the last kernel."""
+    plan: list[tuple[int, str]] = []
+    for rows in sorted(choices):
+        if plan and plan[-1][1] == choices[rows]:
+            plan[-1] = (rows, choices[rows])
+        else:
+            plan.append((rows, choices[rows]))
+    return tuple(plan)
+
+
+def products_key(target: Target) -> str:
+    """What the product probe's timings depend on: every projection's shape, the dtype, the
+    host (CPU model, cores, threads, ISA caps) and the torch build."""
+    from schemafill.precision import cpu_model
+
+    shapes = sorted({(m.out_features, m.in_features) for m in target.modules() if isinstance(m, Linear)})
+    return "|".join([json.dumps(shapes), f"x{sum(isinstance(m, Linear) for m in target.modules())}",
+                     str(target.dtype), cpu_model(), str(os.cpu_count()), f"threads{torch.get_num_threads()}",
+                     torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY", ""),
+                     os.environ.get("ONEDNN_MAX_CPU_ISA", ""), f"mkldnn{torch.backends.mkldnn.is_available()}",
+                     f"torch{torch.__version__}"])
+
+
+def products_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "schemafill" / "products"
 
 
 @torch.inference_mode()
-def tune_few_rows(target: Target, margin: float = 0.9, repeats: int = 5) -> Target:
-    """Time the LM head's product at 2-16 rows both ways (``layers.Linear``) and let every
-    projection of ``target`` take the transposed one up to the most rows where it is at least
-    ``margin`` faster: a fraction of a second, measured rather than assumed per host. A GPU
-    keeps its own kernels."""
+def probe_products(target: Target, kernels: tuple[str, ...], repeats: int = 3) -> dict[int, dict[str, float]]:
+    """Milliseconds of every projection of ``target`` (each over its own weights, so they
+    stream from memory as in a forward) at each of ``PROBE_ROWS``, per kernel, kernels timed
+    in turn."""
+    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    g = torch.Generator().manual_seed(0)
+    timings: dict[int, dict[str, float]] = {}
+    for rows in PROBE_ROWS:
+        inputs = {n: torch.randn(rows, n, generator=g).to(target.dtype) for n in {m.in_features for m in linears}}
+        names = [k for k in kernels if k != "transposed" or rows <= TRANSPOSED_ROWS]
+
+        def sweep(kernel: str) -> None:
+            for m in linears:
+                m.product(inputs[m.in_features], kernel)
+
+        ms = alternating_ms([lambda k=k: sweep(k) for k in names], target.device, repeats)
+        timings[rows] = dict(zip(names, ms))
+    return timings
+
+
+def tune_products(target: Target, cache_dir: Path | None = None) -> Target:
+    """Time the target's own projections at 1-128 rows with each product kernel
+    (``layers.Linear``) and give every projection the fastest per row count (``Target.products``).
+    A few seconds, cached per host and shape like the precision probe. A GPU keeps its own kernels."""
     if target.device.type != "cpu":
         return target
-    weight = target.lm_head.weight  # the largest product of a forward
-    g = torch.Generator().manual_seed(0)
-    few = 0
-    for rows in FEW_ROWS:
-        x = torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)
-        plain, transposed = alternating_ms([lambda: torch.nn.functional.linear(x, weight), lambda: weight @ x.T],
-                                           target.device, repeats)
-        if transposed > margin * plain:
-            break
-        few = rows
-    for module in target.modules():
-        if isinstance(module, Linear):
-            module.few_rows = few
-    target.few_rows = few
+    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    packable = torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16)
+    kernels = KERNELS if packable else tuple(k for k in KERNELS if k != "packed")
+    if packable:
+        for m in linears:
+            m.pack()
+    key = products_key(target)
+    path = (cache_dir or products_cache()) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        timings = {int(r): t for r, t in saved["timings"].items()} if saved.get("key") == key else None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        timings = None  # no entry, or a damaged one: measured again
+    if timings is None:
+        timings = probe_products(target, kernels)
+        try:
+            atomic.write_json(path, {"key": key, "timings": timings})
+        except OSError as err:  # a read-only home still runs; it probes again next time
+            print(f"[runtime] could not cache the product probe at {path}: {err}")
+    plan = plan_of({rows: min(t, key=t.get) for rows, t in timings.items()})
+    for m in linears:
+        m.plan = plan
+        if not any(kernel == "packed" for _, kernel in plan):
+            m.packed = None
+    target.products = plan
     return target
 
 

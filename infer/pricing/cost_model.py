@@ -186,6 +186,11 @@ def isotonic(values: tuple[float, ...] | list[float]) -> list[float]:
     return [total / count for total, count in blocks for _ in range(int(count))]
 
 
+def products(target: torch.nn.Module) -> str:
+    """The target's product kernel plan in a few characters (``1:transposed,4:packed``)."""
+    return ",".join(f"{rows}:{kernel}" for rows, kernel in getattr(target, "products", ()))
+
+
 def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a forward's time depends on, as one string: the target's shape and a sample of its
     weights, the device, dtype, the CPU capability ATen dispatches to, the thread count, and
@@ -197,7 +202,7 @@ def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return (f"{c.family}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}-{weights}|{device.type}{gpu}|"
             f"{str(dtype).removeprefix('torch.')}|{torch.backends.cpu.get_cpu_capability()}|"
-            f"threads{torch.get_num_threads()}|torch{torch.__version__}|few{getattr(target, 'few_rows', 0)}"
+            f"threads{torch.get_num_threads()}|torch{torch.__version__}|{products(target)}"
             f"|fold{int(getattr(target, 'fold_groups', False))}")
 
 

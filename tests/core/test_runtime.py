@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from schemafill.layers import Linear, attend, query_blocks
-from schemafill.runtime import FEW_ROWS, Attention, from_hf_model, load_target, reach, tune_attention, tune_few_rows
+from schemafill.layers import KERNELS, Linear, attend, query_blocks
+from schemafill.runtime import (PROBE_ROWS, Attention, from_hf_model, fuse, load_target, plan_of, reach, tune_attention,
+                                tune_products)
 
 VOCAB = 512
 
@@ -244,32 +247,91 @@ def test_a_forward_attends_in_blocks_and_gives_the_same_logits():
     assert torch.allclose(together.logits, torch.cat([prompt.logits, rest.logits], 1), atol=1e-5)
 
 
+PACKABLE = torch.backends.mkldnn.is_available()
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_run_transposed_with_the_same_result(bias):
-    """``layers.Linear`` computes 2..few_rows rows as (W @ xᵀ)ᵀ: the same numbers as
-    ``nn.Linear``, one row and more rows than few_rows through nn.Linear itself."""
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "packed" or PACKABLE])
+def test_every_product_kernel_gives_nn_linear_numbers(kernel, bias):
+    """Each kernel of ``layers.Linear`` computes ``nn.Linear``'s product, one row (padded to
+    two) and many, whatever the leading shape; a plan picks the kernel by row count."""
     torch.manual_seed(0)
     layer = Linear(24, 40, bias=bias)
-    layer.few_rows = 4
+    layer.pack()
+    layer.plan = ((4, kernel), (64, "plain"))
     for shape in ((1, 1, 24), (1, 3, 24), (2, 2, 24), (5, 24), (1, 9, 24)):
         x = torch.randn(*shape)
         assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
+    assert [layer.kernel(n) for n in (1, 4, 5, 64, 65)] == [kernel, kernel, "plain", "plain", "plain"]
 
 
-def test_a_tuned_target_gives_the_same_logits_and_records_its_choice():
-    """``tune_few_rows`` measures (whatever it picks, the logits stay those of ``transformers``)
-    and sets one threshold on every projection of the target."""
+def test_a_plan_merges_runs_and_keeps_the_last_kernel_past_its_end():
+    assert plan_of({1: "transposed", 2: "transposed", 4: "packed", 8: "packed", 16: "plain"}) == (
+        (2, "transposed"), (8, "packed"), (16, "plain"))
+    layer = Linear(4, 4)
+    layer.plan = plan_of({1: "transposed", 8: "packed"})
+    assert [layer.kernel(n) for n in (1, 2, 8, 9, 500)] == ["transposed", "packed", "packed", "packed", "packed"]
+
+
+@pytest.mark.skipif(not PACKABLE, reason="oneDNN is not in this torch build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_products_give_a_row_the_same_numbers_at_any_row_count(dtype):
+    """The packed kernel pads a lone row to two, so a row's result does not depend on how many
+    rows share the call: bit for bit, as a one-token AR step and a verification need."""
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=True).to(dtype)
+    layer.pack()
+    layer.plan = ((10**6, "packed"),)
+    x = torch.randn(70, 96).to(dtype)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(8)])
+    for rows in (2, 3, 8, 33, 70):
+        assert torch.equal(layer(x[:rows])[:8], alone[:min(rows, 8)])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_give_the_unfused_logits(family):
+    """Q/K/V and gate/up fused into one product each (``runtime.fuse``) compute what the
+    separate projections did: the logits stay ``transformers``', biases and q/k norms included."""
+    model = hf_model(family, seed=4)
+    target = from_hf_model(model)
+    layer = target.model.layers[0]
+    assert layer.self_attn.qkv is not None and layer.mlp.gate_up is not None
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "gate_proj")
+    ids = torch.randint(0, VOCAB, (2, 7))
+    out, _ = causal(target, ids)
+    assert torch.allclose(out.logits, model(ids).logits, atol=1e-4)
+
+
+def test_a_tuned_target_records_its_plan_and_reads_it_back_from_the_cache(tmp_path):
+    """``tune_products`` times every kernel at each probed row count, gives every projection the
+    same plan (whatever it picks, the logits stay ``transformers``'), caches the timings, and a
+    second load reads the cache instead of timing; a damaged cache entry is measured again."""
     model = hf_model("llama", seed=2)
-    target = tune_few_rows(from_hf_model(model))
-    assert target.few_rows in (0, *FEW_ROWS)
-    assert {m.few_rows for m in target.modules() if isinstance(m, Linear)} == {target.few_rows}
-    for few in (0, 16):
-        for m in target.modules():
-            if isinstance(m, Linear):
-                m.few_rows = few
+    target = tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path)
+    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    assert target.products and {m.plan for m in linears} == {target.products}
+    assert {k for _, k in target.products} <= set(KERNELS)
+    (entry,) = tmp_path.glob("*.json")
+    saved = json.loads(entry.read_text())
+    assert sorted(map(int, saved["timings"])) == list(PROBE_ROWS)
+    packed_used = any(k == "packed" for _, k in target.products)
+    assert all((m.packed is not None) == packed_used for m in linears)
+    for plan in (((10**6, "plain"),), ((10**6, "transposed"),)) + ((((1, "transposed"), (10**6, "packed")),)
+                                                                    if packed_used else ()):
+        for m in linears:
+            m.plan = plan
         ids = torch.randint(0, VOCAB, (1, 6))
         out, _ = causal(target, ids)
         assert torch.allclose(out.logits[0], model(ids).logits[0], atol=1e-4)
+    # the cached timings decide the next load: make packed look slow everywhere
+    saved["timings"] = {r: {**t, "plain": 0.0} for r, t in saved["timings"].items()}
+    entry.write_text(json.dumps(saved))
+    again = tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path)
+    assert again.products == ((max(PROBE_ROWS), "plain"),)
+    assert all(m.packed is None for m in again.modules() if isinstance(m, Linear))
+    entry.write_text("{not json")
+    assert tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path).products
+    assert json.loads(entry.read_text())["key"] == saved["key"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

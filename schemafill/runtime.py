@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill.layers import KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary, attend, query_blocks
+from schemafill.layers import KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, query_blocks, signed_sin
 from schemafill import atomic
 from schemafill.timing import alternating_ms
 
@@ -167,20 +167,27 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: "ArenaCall | Packed"
                 ) -> torch.Tensor:
-        # x: [B, T, H]; cos, sin: [B, T, hd]
+        # x: [B, T, H]; cos, sin: [B, 1, T, hd], sin with its first half negated (``layers.signed_sin``)
         b, t, _ = x.shape
         hd = self.c.head_dim
-        if self.qkv is not None:
-            kv_width = self.c.num_kv_heads * hd
-            q, k, v = self.qkv(x).split([self.c.num_heads * hd, kv_width, kv_width], dim=-1)
+        hq = self.c.num_heads
+        if self.qkv is not None and not self.c.qk_norm:  # Q and K rotate as one tensor of heads
+            heads = self.qkv(x).view(b, t, -1, hd).transpose(1, 2)  # [B, Hq + 2·Hkv, T, hd]
+            hk = hq + self.c.num_kv_heads
+            qk = apply_rotary_rolled(heads[:, :hk], cos, sin)
+            q, k, v = qk[:, :hq], qk[:, hq:], heads[:, hk:]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k = q.reshape(b, t, -1, hd), k.reshape(b, t, -1, hd)
-        v = v.reshape(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-        if self.c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, Hq, T, hd]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
+            if self.qkv is not None:
+                kv_width = self.c.num_kv_heads * hd
+                q, k, v = self.qkv(x).split([hq * hd, kv_width, kv_width], dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = q.reshape(b, t, -1, hd), k.reshape(b, t, -1, hd)
+            v = v.reshape(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
+            if self.c.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rotary_rolled(q.transpose(1, 2), cos, sin)  # [B, Hq, T, hd]
+            k = apply_rotary_rolled(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
         out = kv(layer, q, k, v, self.fold_groups)  # [B, Hq, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -335,6 +342,7 @@ class Target(nn.Module):
         c = self.config
         x = self.model.embed_tokens(tokens)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, T, hd], once for every layer
         saved = {}
         for i, layer in enumerate(self.model.layers):
             if i in c.aux_layer_ids:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from schemafill.layers import KERNELS, Linear, attend, query_blocks
+from schemafill.layers import KERNELS, Linear, apply_rotary, apply_rotary_rolled, attend, query_blocks, signed_sin
 from schemafill.runtime import (PROBE_ROWS, Attention, from_hf_model, fuse, load_target, plan_of, reach, tune_attention,
                                 tune_products)
 
@@ -372,3 +372,15 @@ def test_a_target_tuned_to_fold_decodes_as_transformers():
             pos = torch.tensor([[t]])
             out = target(ids[:, t:t + 1], pos, torch.arange(t + 1)[None, None] <= t, pos, arena)
             assert torch.allclose(out.logits[0, 0], expected[t], atol=1e-4), (fold, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rolled_rotary_is_the_rotate_half_rotary(dtype):
+    """``apply_rotary_rolled`` with ``signed_sin`` tables rotates as ``apply_rotary`` does, bit for bit."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 8).to(dtype)
+    angles = torch.randn(2, 5, 8)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    rolled = apply_rotary_rolled(x, cos[:, None], signed_sin(sin)[:, None])
+    assert torch.equal(rolled, apply_rotary(x, cos, sin))
+    assert not torch.allclose(rolled, apply_rotary_rolled(x, cos[:, None], sin[:, None]))

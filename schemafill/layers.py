@@ -148,11 +148,18 @@ def apply_rotary_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def mask_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the additive bias attention adds to its scores (0 where
+    visible, -inf elsewhere): what SDPA makes of a boolean mask in every call, made once."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
            blocks: list[tuple[int, int, int]] | None = None, fold_groups: bool = False) -> torch.Tensor:
-    """SDPA with grouped KV heads under a boolean visibility mask.
+    """SDPA with grouped KV heads under a visibility mask.
 
-    q: [B, Hq, T, hd]; k, v: [B, Hkv, S, hd]; visible: [B, T, S] (True = may attend).
+    q: [B, Hq, T, hd]; k, v: [B, Hkv, S, hd]; visible: [B, T, S], boolean (True = may attend)
+    or its additive bias in q's dtype (``mask_bias``).
     ``blocks`` (``query_blocks``): query rows [a, b) attend over slots [0, n) only, the same
     result when no row of a block sees a slot at or past its ``n``.
     ``fold_groups``: a one-token query attends as ``Hkv`` heads of ``Hq/Hkv`` rows each (the

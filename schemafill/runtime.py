@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill.layers import KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, query_blocks, signed_sin
+from schemafill.layers import KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, mask_bias, query_blocks, signed_sin
 from schemafill import atomic
 from schemafill.timing import alternating_ms
 
@@ -114,6 +114,10 @@ class KVArena:
 
     def write(self, layer: int, rows: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B, T]; k, v: [B, Hkv, T, hd]
+        if rows is None and slots.shape[0] == 1:  # one arena row: a copy along slots, no index grid
+            self.k[layer][0].index_copy_(1, slots[0], k[0])
+            self.v[layer][0].index_copy_(1, slots[0], v[0])
+            return
         r = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
         self.k[layer][r[:, None], :, slots] = k.transpose(1, 2)
         self.v[layer][r[:, None], :, slots] = v.transpose(1, 2)
@@ -200,7 +204,7 @@ class ArenaCall:
     arena: KVArena
     rows: torch.Tensor | None  # [B] (None: rows 0..B-1)
     slots: torch.Tensor  # [B, T]
-    visibility: torch.Tensor  # [B, T, S]
+    visibility: torch.Tensor  # [B, T, S]: boolean, or its additive bias (``layers.mask_bias``)
     spans: list[tuple[int, int]] | None
     blocks: list[tuple[int, int, int]] | None
 
@@ -237,14 +241,15 @@ class Packed:
 
     parts: list[Part]
     blocks: list[list[tuple[int, int, int]] | None]
+    masks: list[torch.Tensor]  # [1, T, S] per part: its visibility as an additive bias
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
         outs = []
-        for part, blocks in zip(self.parts, self.blocks):
+        for part, blocks, mask in zip(self.parts, self.blocks, self.masks):
             a, b = part.start, part.stop
             part.arena.write(layer, None, part.slots[None], k[:, :, a:b], v[:, :, a:b])
-            keys, values = part.arena.read(layer, None, part.visibility.shape[-1])  # [1, Hkv, S, hd]
-            outs.append(attend(q[:, :, a:b], keys, values, part.visibility[None], blocks, fold))
+            keys, values = part.arena.read(layer, None, mask.shape[-1])  # [1, Hkv, S, hd]
+            outs.append(attend(q[:, :, a:b], keys, values, mask, blocks, fold))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -322,7 +327,8 @@ class Target(nn.Module):
         masked work it would save, and reading the mask back would stall the launch queue."""
         blocks = query_blocks(reach(visibility), self.block_overhead()) \
             if spans is None and visibility.device.type == "cpu" else None
-        return self._run(tokens, positions, ArenaCall(arena, rows, write_slots, visibility, spans, blocks), logits_at)
+        mask = mask_bias(visibility, self.dtype)  # once, not in every layer's attention
+        return self._run(tokens, positions, ArenaCall(arena, rows, write_slots, mask, spans, blocks), logits_at)
 
     @torch.inference_mode()
     def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
@@ -334,7 +340,8 @@ class Target(nn.Module):
         cpu = tokens.device.type == "cpu"
         overhead = self.block_overhead()
         blocks = [query_blocks(reach(p.visibility[None]), overhead) if cpu else None for p in parts]
-        return self._run(tokens[None], positions[None], Packed(parts, blocks),
+        masks = [mask_bias(p.visibility[None], self.dtype) for p in parts]
+        return self._run(tokens[None], positions[None], Packed(parts, blocks, masks),
                          None if logits_at is None else logits_at[None])
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, kv: ArenaCall | Packed,

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill.layers import KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, mask_bias, query_blocks, signed_sin
 from schemafill import atomic
+from schemafill.layers import (KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, mask_bias,
+                               query_blocks, signed_sin)
 from schemafill.timing import alternating_ms
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -414,8 +415,8 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
 
 
 def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
-    """A runtime target sharing the parameters of an in-memory ``transformers`` model (on a
-    CPU, the fused Q/K/V and gate/up products hold copies: build it after training, not before)."""
+    """A runtime target sharing the parameters of an in-memory ``transformers`` model (the
+    fused Q/K/V and gate/up products hold copies: build it after training, not before)."""
     hf = model.config
     target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
     state = dict(model.state_dict())
@@ -428,11 +429,9 @@ TRANSPOSED_ROWS = 16  # past this many rows the transposed product is the plain 
 
 
 def tune(target: Target, cache_dir: Path | None = None) -> Target:
-    """The CPU kernel choices of a freshly loaded target, each from a timed probe. On a CPU
-    the Q/K/V and gate/up projections become one product each first (fewer, larger calls)."""
-    if target.device.type == "cpu":
-        fuse(target)
-    return tune_attention(tune_products(target, cache_dir=cache_dir))
+    """A freshly loaded target made fast: Q/K/V and gate/up become one product each (fewer,
+    larger calls), then the CPU kernel choices, each from a timed probe."""
+    return tune_attention(tune_products(fuse(target), cache_dir=cache_dir))
 
 
 def fuse(target: Target) -> Target:

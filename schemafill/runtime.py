@@ -470,6 +470,28 @@ def products_key(target: Target) -> str:
                      f"torch{torch.__version__}"])
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux's MemAvailable, else the free pages; None where
+    the OS says neither)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def room_to_pack(weight_bytes: int, available: int | None, share: float = 0.5) -> bool:
+    """Whether the packed kernel's copies of the weights (as many bytes again) fit in ``share``
+    of the free memory: a target near the host's memory keeps the kernels that need no copy."""
+    return available is None or weight_bytes <= share * available
+
+
 def products_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "schemafill" / "products"
 
@@ -484,7 +506,7 @@ def probe_products(target: Target, kernels: tuple[str, ...], repeats: int = 3) -
     timings: dict[int, dict[str, float]] = {}
     for rows in PROBE_ROWS:
         inputs = {n: torch.randn(rows, n, generator=g).to(target.dtype) for n in {m.in_features for m in linears}}
-        names = [k for k in kernels if k != "transposed" or rows <= TRANSPOSED_ROWS]
+        names = kernels_at(rows, kernels)
 
         def sweep(kernel: str) -> None:
             for m in linears:
@@ -495,6 +517,17 @@ def probe_products(target: Target, kernels: tuple[str, ...], repeats: int = 3) -
     return timings
 
 
+def kernels_at(rows: int, kernels: tuple[str, ...]) -> list[str]:
+    """The kernels worth timing at ``rows`` rows."""
+    return [k for k in kernels if k != "transposed" or rows <= TRANSPOSED_ROWS]
+
+
+def complete(timings: dict[int, dict[str, float]], kernels: tuple[str, ...]) -> bool:
+    """Whether cached timings cover every probed row count with every kernel worth timing there."""
+    return sorted(timings) == list(PROBE_ROWS) and all(set(kernels_at(rows, kernels)) <= set(t)
+                                                      for rows, t in timings.items())
+
+
 def tune_products(target: Target, cache_dir: Path | None = None) -> Target:
     """Time the target's own projections at 1-128 rows with each product kernel
     (``layers.Linear``) and give every projection the fastest per row count (``Target.products``).
@@ -502,17 +535,25 @@ def tune_products(target: Target, cache_dir: Path | None = None) -> Target:
     if target.device.type != "cpu":
         return target
     linears = [m for m in target.modules() if isinstance(m, Linear)]
-    packable = torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    packable = torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16) \
+        and room_to_pack(weight_bytes, available_memory())
     kernels = KERNELS if packable else tuple(k for k in KERNELS if k != "packed")
     if packable:
         for m in linears:
             m.pack()
-    key = products_key(target)
+    elif torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16):
+        print(f"[runtime] {weight_bytes / 1e9:.1f} GB of weights: no room for their packed copies, "
+              f"so the products use the kernels that need none")
+    key = f"{products_key(target)}|packed{int(packable)}"
     path = (cache_dir or products_cache()) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         saved = json.loads(path.read_text())
-        timings = {int(r): t for r, t in saved["timings"].items()} if saved.get("key") == key else None
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        timings = {int(r): {k: float(ms) for k, ms in t.items()} for r, t in saved["timings"].items()} \
+            if saved.get("key") == key else None
+        if timings is not None and not complete(timings, kernels):
+            timings = None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         timings = None  # no entry, or a damaged one: measured again
     if timings is None:
         timings = probe_products(target, kernels)
@@ -520,7 +561,7 @@ def tune_products(target: Target, cache_dir: Path | None = None) -> Target:
             atomic.write_json(path, {"key": key, "timings": timings})
         except OSError as err:  # a read-only home still runs; it probes again next time
             print(f"[runtime] could not cache the product probe at {path}: {err}")
-    plan = plan_of({rows: min(t, key=t.get) for rows, t in timings.items()})
+    plan = plan_of({rows: min((k for k in t if k in kernels), key=t.get) for rows, t in timings.items()})
     for m in linears:
         m.plan = plan
         if not any(kernel == "packed" for _, kernel in plan):

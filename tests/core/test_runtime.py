@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from schemafill.layers import KERNELS, Linear, apply_rotary, apply_rotary_rolled, attend, query_blocks, signed_sin
-from schemafill.runtime import (PROBE_ROWS, Attention, from_hf_model, fuse, load_target, plan_of, reach, tune_attention,
-                                tune_products)
+from schemafill.runtime import (PROBE_ROWS, Attention, from_hf_model, fuse, load_target, plan_of, reach, room_to_pack,
+                                tune_attention, tune_products)
 
 VOCAB = 512
 
@@ -265,6 +265,11 @@ def test_every_product_kernel_gives_nn_linear_numbers(kernel, bias):
     assert [layer.kernel(n) for n in (1, 4, 5, 64, 65)] == [kernel, kernel, "plain", "plain", "plain"]
 
 
+def test_weights_are_packed_only_where_their_copy_leaves_room():
+    assert room_to_pack(10, 100) and room_to_pack(50, 100) and room_to_pack(10, None)
+    assert not room_to_pack(51, 100) and not room_to_pack(10, 0)
+
+
 def test_a_plan_merges_runs_and_keeps_the_last_kernel_past_its_end():
     assert plan_of({1: "transposed", 2: "transposed", 4: "packed", 8: "packed", 16: "plain"}) == (
         (2, "transposed"), (8, "packed"), (16, "plain"))
@@ -305,7 +310,7 @@ def test_fused_projections_give_the_unfused_logits(family):
 def test_a_tuned_target_records_its_plan_and_reads_it_back_from_the_cache(tmp_path):
     """``tune_products`` times every kernel at each probed row count, gives every projection the
     same plan (whatever it picks, the logits stay ``transformers``'), caches the timings, and a
-    second load reads the cache instead of timing; a damaged cache entry is measured again."""
+    second load reads the cache instead of timing; a damaged or incomplete entry is measured again."""
     model = hf_model("llama", seed=2)
     target = tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path)
     linears = [m for m in target.modules() if isinstance(m, Linear)]
@@ -329,9 +334,10 @@ def test_a_tuned_target_records_its_plan_and_reads_it_back_from_the_cache(tmp_pa
     again = tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path)
     assert again.products == ((max(PROBE_ROWS), "plain"),)
     assert all(m.packed is None for m in again.modules() if isinstance(m, Linear))
-    entry.write_text("{not json")
-    assert tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path).products
-    assert json.loads(entry.read_text())["key"] == saved["key"]
+    for damaged in ("{not json", json.dumps({"key": saved["key"], "timings": {"1": {"plain": 1.0}}})):
+        entry.write_text(damaged)
+        assert tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path).products
+        assert sorted(map(int, json.loads(entry.read_text())["timings"])) == list(PROBE_ROWS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -21,7 +21,6 @@ the decode probe says (``schemafill.models.decode_choice``): the probe only says
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from schemafill import atomic
+from schemafill import host_cache
 from schemafill.timing import alternating_ms
 
 MARGIN = 0.9  # bf16 must take at most this fraction of fp32's time
@@ -135,7 +134,7 @@ def host_key(kind: str, shape: Shape) -> str:
 
 
 def default_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "schemafill" / "precision"
+    return host_cache.folder("precision")
 
 
 def decide(setting: str, kind: str, device: torch.device, shape: Shape, cache_dir: Path | None = None) -> Precision:
@@ -149,19 +148,16 @@ def decide(setting: str, kind: str, device: torch.device, shape: Shape, cache_di
     if setting != "auto":
         return Precision(setting == "true", f"forced ({setting})")
     key = host_key(kind, shape)
-    path = (cache_dir or default_cache()) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    path = host_cache.entry(cache_dir or default_cache(), key)
+    saved = host_cache.read(path, key)
     try:
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key:
+        if saved is not None:
             bf16, why = choose(saved["fp32_ms"], saved["bf16_ms"])
             return Precision(bf16, why + " (cached)", saved["fp32_ms"], saved["bf16_ms"], cached=True)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        pass  # no entry, or a damaged one: measured again
+    except (KeyError, TypeError):
+        pass  # a damaged entry: measured again
     fp32_ms, bf16_ms = probe(kind, shape)
-    try:
-        atomic.write_json(path, {"key": key, "fp32_ms": round(fp32_ms, 3), "bf16_ms": round(bf16_ms, 3)})
-    except OSError as err:  # a read-only home still runs; it probes again next time
-        print(f"[precision] could not cache the probe at {path}: {err}")
+    host_cache.write(path, key, {"fp32_ms": round(fp32_ms, 3), "bf16_ms": round(bf16_ms, 3)}, "the precision probe")
     bf16, why = choose(fp32_ms, bf16_ms)
     return Precision(bf16, why, round(fp32_ms, 3), round(bf16_ms, 3))
 

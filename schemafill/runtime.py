@@ -16,7 +16,6 @@ and rotary tables in fp32), so fp32 logits match it tightly; SDPA on CPU (fp32) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill import atomic
+from schemafill import host_cache
 from schemafill.layers import (KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, mask_bias,
                                query_blocks, signed_sin)
 from schemafill.timing import alternating_ms
@@ -175,24 +174,15 @@ class Attention(nn.Module):
         # x: [B, T, H]; cos, sin: [B, 1, T, hd], sin with its first half negated (``layers.signed_sin``)
         b, t, _ = x.shape
         hd = self.c.head_dim
-        hq = self.c.num_heads
-        if self.qkv is not None and not self.c.qk_norm:  # Q and K rotate as one tensor of heads
+        if self.qkv is not None:
             heads = self.qkv(x).view(b, t, -1, hd).transpose(1, 2)  # [B, Hq + 2·Hkv, T, hd]
-            hk = hq + self.c.num_kv_heads
-            qk = apply_rotary_rolled(heads[:, :hk], cos, sin)
-            q, k, v = qk[:, :hq], qk[:, hq:], heads[:, hk:]
+            q, k, v = heads.split([self.c.num_heads, self.c.num_kv_heads, self.c.num_kv_heads], dim=1)
         else:
-            if self.qkv is not None:
-                kv_width = self.c.num_kv_heads * hd
-                q, k, v = self.qkv(x).split([hq * hd, kv_width, kv_width], dim=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q, k = q.reshape(b, t, -1, hd), k.reshape(b, t, -1, hd)
-            v = v.reshape(b, t, -1, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-            if self.c.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q = apply_rotary_rolled(q.transpose(1, 2), cos, sin)  # [B, Hq, T, hd]
-            k = apply_rotary_rolled(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, hd]
+            q, k, v = (p(x).view(b, t, -1, hd).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.c.qk_norm:  # over each head's dimensions
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary_rolled(q, cos, sin)  # [B, Hq, T, hd]
+        k = apply_rotary_rolled(k, cos, sin)  # [B, Hkv, T, hd]
         out = kv(layer, q, k, v, self.fold_groups)  # [B, Hq, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -205,19 +195,19 @@ class ArenaCall:
     arena: KVArena
     rows: torch.Tensor | None  # [B] (None: rows 0..B-1)
     slots: torch.Tensor  # [B, T]
-    visibility: torch.Tensor  # [B, T, S]: boolean, or its additive bias (``layers.mask_bias``)
+    mask: torch.Tensor  # [B, T, S]: the visibility as an additive bias (``layers.mask_bias``)
     spans: list[tuple[int, int]] | None
     blocks: list[tuple[int, int, int]] | None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
-        arena, visibility = self.arena, self.visibility
+        arena, mask = self.arena, self.mask
         arena.write(layer, self.rows, self.slots, k, v)
         if self.spans is None:
-            keys, values = arena.read(layer, self.rows, visibility.shape[-1])  # [B, Hkv, S, hd]
-            return attend(q, keys, values, visibility, self.blocks, fold)
+            keys, values = arena.read(layer, self.rows, mask.shape[-1])  # [B, Hkv, S, hd]
+            return attend(q, keys, values, mask, self.blocks, fold)
         # ragged: each row reads only its own slots, straight from the arena
         return torch.cat([attend(q[b:b + 1], arena.k[layer][r:r + 1, :, :n], arena.v[layer][r:r + 1, :, :n],
-                                 visibility[b:b + 1, :, :n], fold_groups=fold) for b, (r, n) in enumerate(self.spans)])
+                                 mask[b:b + 1, :, :n], fold_groups=fold) for b, (r, n) in enumerate(self.spans)])
 
 
 @dataclass(frozen=True)
@@ -415,8 +405,8 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
 
 
 def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
-    """A runtime target sharing the parameters of an in-memory ``transformers`` model (the
-    fused Q/K/V and gate/up products hold copies: build it after training, not before)."""
+    """A runtime target sharing the parameters of an in-memory ``transformers`` model (on a
+    CPU, the fused Q/K/V and gate/up products hold copies: build it after training, not before)."""
     hf = model.config
     target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
     state = dict(model.state_dict())
@@ -429,8 +419,11 @@ TRANSPOSED_ROWS = 16  # past this many rows the transposed product is the plain 
 
 
 def tune(target: Target, cache_dir: Path | None = None) -> Target:
-    """A freshly loaded target made fast: Q/K/V and gate/up become one product each (fewer,
-    larger calls), then the CPU kernel choices, each from a timed probe."""
+    """The CPU kernel choices of a freshly loaded target, each from a timed probe, after its
+    Q/K/V and gate/up projections become one product each (fewer, larger calls). A GPU keeps
+    its own kernels and the separate projections (fused ones are copies beside a shared model's)."""
+    if target.device.type != "cpu":
+        return target
     return tune_attention(tune_products(fuse(target), cache_dir=cache_dir))
 
 
@@ -457,17 +450,17 @@ def plan_of(choices: dict[int, str]) -> tuple[tuple[int, str], ...]:
     return tuple(plan)
 
 
-def products_key(target: Target) -> str:
-    """What the product probe's timings depend on: every projection's shape, the dtype, the
-    host (CPU model, cores, threads, ISA caps) and the torch build."""
+def products_key(target: Target, linears: list[Linear], packable: bool) -> str:
+    """What the product probe's timings depend on: every projection's shape, the dtype, whether
+    the packed kernel is in the running, the host (CPU model, cores, threads, ISA caps) and the
+    torch build."""
     from schemafill.precision import cpu_model
 
-    shapes = sorted({(m.out_features, m.in_features) for m in target.modules() if isinstance(m, Linear)})
-    return "|".join([json.dumps(shapes), f"x{sum(isinstance(m, Linear) for m in target.modules())}",
-                     str(target.dtype), cpu_model(), str(os.cpu_count()), f"threads{torch.get_num_threads()}",
+    shapes = sorted({(m.out_features, m.in_features) for m in linears})
+    return "|".join([json.dumps(shapes), f"x{len(linears)}", str(target.dtype), f"packed{int(packable)}",
+                     cpu_model(), str(os.cpu_count()), f"threads{torch.get_num_threads()}",
                      torch.backends.cpu.get_cpu_capability(), os.environ.get("ATEN_CPU_CAPABILITY", ""),
-                     os.environ.get("ONEDNN_MAX_CPU_ISA", ""), f"mkldnn{torch.backends.mkldnn.is_available()}",
-                     f"torch{torch.__version__}"])
+                     os.environ.get("ONEDNN_MAX_CPU_ISA", ""), f"torch{torch.__version__}"])
 
 
 def available_memory() -> int | None:
@@ -492,27 +485,23 @@ def room_to_pack(weight_bytes: int, available: int | None, share: float = 0.5) -
     return available is None or weight_bytes <= share * available
 
 
-def products_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "schemafill" / "products"
-
-
 @torch.inference_mode()
-def probe_products(target: Target, kernels: tuple[str, ...], repeats: int = 3) -> dict[int, dict[str, float]]:
-    """Milliseconds of every projection of ``target`` (each over its own weights, so they
+def probe_products(linears: list[Linear], kernels: tuple[str, ...], repeats: int = 3) -> dict[int, dict[str, float]]:
+    """Milliseconds of all of a target's projections (each over its own weights, so they
     stream from memory as in a forward) at each of ``PROBE_ROWS``, per kernel, kernels timed
     in turn."""
-    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    weight = linears[0].weight
     g = torch.Generator().manual_seed(0)
     timings: dict[int, dict[str, float]] = {}
     for rows in PROBE_ROWS:
-        inputs = {n: torch.randn(rows, n, generator=g).to(target.dtype) for n in {m.in_features for m in linears}}
+        inputs = {n: torch.randn(rows, n, generator=g).to(weight.dtype) for n in {m.in_features for m in linears}}
         names = kernels_at(rows, kernels)
 
         def sweep(kernel: str) -> None:
             for m in linears:
                 m.product(inputs[m.in_features], kernel)
 
-        ms = alternating_ms([lambda k=k: sweep(k) for k in names], target.device, repeats)
+        ms = alternating_ms([lambda k=k: sweep(k) for k in names], weight.device, repeats)
         timings[rows] = dict(zip(names, ms))
     return timings
 
@@ -535,36 +524,31 @@ def tune_products(target: Target, cache_dir: Path | None = None) -> Target:
     if target.device.type != "cpu":
         return target
     linears = [m for m in target.modules() if isinstance(m, Linear)]
+    packable = torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16)
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    packable = torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16) \
-        and room_to_pack(weight_bytes, available_memory())
+    if packable and not room_to_pack(weight_bytes, available_memory()):
+        print(f"[runtime] {weight_bytes / 1e9:.1f} GB of weights: no room for their packed copies, "
+              f"so the products use the kernels that need none")
+        packable = False
     kernels = KERNELS if packable else tuple(k for k in KERNELS if k != "packed")
     if packable:
         for m in linears:
             m.pack()
-    elif torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16):
-        print(f"[runtime] {weight_bytes / 1e9:.1f} GB of weights: no room for their packed copies, "
-              f"so the products use the kernels that need none")
-    key = f"{products_key(target)}|packed{int(packable)}"
-    path = (cache_dir or products_cache()) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    key = products_key(target, linears, packable)
+    path = host_cache.entry(cache_dir or host_cache.folder("products"), key)
+    saved = host_cache.read(path, key)
     try:
-        saved = json.loads(path.read_text())
-        timings = {int(r): {k: float(ms) for k, ms in t.items()} for r, t in saved["timings"].items()} \
-            if saved.get("key") == key else None
-        if timings is not None and not complete(timings, kernels):
-            timings = None
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        timings = None  # no entry, or a damaged one: measured again
-    if timings is None:
-        timings = probe_products(target, kernels)
-        try:
-            atomic.write_json(path, {"key": key, "timings": timings})
-        except OSError as err:  # a read-only home still runs; it probes again next time
-            print(f"[runtime] could not cache the product probe at {path}: {err}")
+        timings = {int(r): {k: float(ms) for k, ms in t.items()} for r, t in saved["timings"].items()}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        timings = None  # no entry, or a damaged one
+    if timings is None or not complete(timings, kernels):
+        timings = probe_products(linears, kernels)
+        host_cache.write(path, key, {"timings": timings}, "the product probe")
     plan = plan_of({rows: min((k for k in t if k in kernels), key=t.get) for rows, t in timings.items()})
+    keep_packed = any(kernel == "packed" for _, kernel in plan)
     for m in linears:
         m.plan = plan
-        if not any(kernel == "packed" for _, kernel in plan):
+        if not keep_packed:
             m.packed = None
     target.products = plan
     return target

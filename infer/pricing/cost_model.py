@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-from schemafill import atomic
+from schemafill import host_cache
 from schemafill.timing import alternating_ms, median_ms
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -252,21 +250,16 @@ def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, conte
     """The cached curve for this (target, device, dtype, host), measuring it on a miss or when
     a quick check of c(1) no longer agrees with it (``still_holds``). Returns (model, measured_now)."""
     key = host_key(target, target.device, target.dtype)
-    path = Path(cache_dir) / f"{hashlib.sha256(f'{key}|{context}|{sizes}'.encode()).hexdigest()[:16]}.json"
-    if path.is_file():
+    path = host_cache.entry(cache_dir, f"{key}|{context}|{sizes}")
+    saved = host_cache.read(path, key)
+    if saved is not None:
         try:
-            saved = json.loads(path.read_text())
-            if saved.get("key") == key:
-                cached = CostModel(tuple(saved["sizes"]), tuple(saved["ms"]), saved["context"], key)
-                if still_holds(target, cached):
-                    return cached, False
-                print("[infer] the cached cost curve no longer matches this host's c(1): measuring it again")
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            cached = CostModel(tuple(saved["sizes"]), tuple(saved["ms"]), saved["context"], key)
+            if still_holds(target, cached):
+                return cached, False
+            print("[infer] the cached cost curve no longer matches this host's c(1): measuring it again")
+        except (KeyError, TypeError, ValueError):
             pass  # a damaged cache entry is measured again and overwritten
-    model = measure(target, context, sizes, repeats)
-    model = dataclasses.replace(model, key=key)
-    try:
-        atomic.write_json(path, model.summary())
-    except OSError as err:  # a read-only home still decodes; it measures again next launch
-        print(f"[infer] could not cache the cost curve at {path}: {err}")
+    model = dataclasses.replace(measure(target, context, sizes, repeats), key=key)
+    host_cache.write(path, key, model.summary(), "the cost curve")
     return model, True

@@ -257,7 +257,8 @@ def test_every_product_kernel_gives_nn_linear_numbers(kernel, bias):
     two) and many, whatever the leading shape; a plan picks the kernel by row count."""
     torch.manual_seed(0)
     layer = Linear(24, 40, bias=bias)
-    layer.pack()
+    if kernel == "packed":
+        layer.pack()
     layer.plan = ((4, kernel), (64, "plain"))
     for shape in ((1, 1, 24), (1, 3, 24), (2, 2, 24), (5, 24), (1, 9, 24)):
         x = torch.randn(*shape)
@@ -328,7 +329,7 @@ def test_a_tuned_target_records_its_plan_and_reads_it_back_from_the_cache(tmp_pa
         ids = torch.randint(0, VOCAB, (1, 6))
         out, _ = causal(target, ids)
         assert torch.allclose(out.logits[0], model(ids).logits[0], atol=1e-4)
-    # the cached timings decide the next load: make packed look slow everywhere
+    # the cached timings decide the next load: make the plain product look fastest everywhere
     saved["timings"] = {r: {**t, "plain": 0.0} for r, t in saved["timings"].items()}
     entry.write_text(json.dumps(saved))
     again = tune_products(fuse(from_hf_model(model)), cache_dir=tmp_path)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill import host_cache
+from schemafill import exact_attention, host_cache
 from schemafill.layers import (KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, mask_bias,
                                query_blocks, signed_sin)
 from schemafill.timing import alternating_ms
@@ -195,13 +195,19 @@ class ArenaCall:
     arena: KVArena
     rows: torch.Tensor | None  # [B] (None: rows 0..B-1)
     slots: torch.Tensor  # [B, T]
-    mask: torch.Tensor  # [B, T, S]: the visibility as an additive bias (``layers.mask_bias``)
+    # [B, T, S]: the visibility as an additive bias for SDPA (``layers.mask_bias``), or as
+    # booleans for the batch-invariant kernel (``Target.exact``)
+    mask: torch.Tensor
     spans: list[tuple[int, int]] | None
     blocks: list[tuple[int, int, int]] | None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
         arena, mask = self.arena, self.mask
         arena.write(layer, self.rows, self.slots, k, v)
+        if mask.dtype == torch.bool:  # each row reads just the slots it sees, in one call
+            rows = range(q.shape[0]) if self.rows is None else self.rows.tolist()
+            return exact_attention.attend(q, [arena.k[layer][r] for r in rows], [arena.v[layer][r] for r in rows],
+                                          mask)
         if self.spans is None:
             keys, values = arena.read(layer, self.rows, mask.shape[-1])  # [B, Hkv, S, hd]
             return attend(q, keys, values, mask, self.blocks, fold)
@@ -232,13 +238,17 @@ class Packed:
 
     parts: list[Part]
     blocks: list[list[tuple[int, int, int]] | None]
-    masks: list[torch.Tensor]  # [1, T, S] per part: its visibility as an additive bias
+    masks: list[torch.Tensor]  # [1, T, S] per part: its visibility as an additive bias, or booleans (``ArenaCall``)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
         outs = []
         for part, blocks, mask in zip(self.parts, self.blocks, self.masks):
             a, b = part.start, part.stop
             part.arena.write(layer, None, part.slots[None], k[:, :, a:b], v[:, :, a:b])
+            if mask.dtype == torch.bool:
+                outs.append(exact_attention.attend(q[:, :, a:b], [part.arena.k[layer][0]], [part.arena.v[layer][0]],
+                                                   mask))
+                continue
             keys, values = part.arena.read(layer, None, mask.shape[-1])  # [1, Hkv, S, hd]
             outs.append(attend(q[:, :, a:b], keys, values, mask, blocks, fold))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -285,6 +295,9 @@ class Target(nn.Module):
         self.rotary = Rotary(inv_freq, attention_scaling)
         self.products: tuple[tuple[int, str], ...] = ()  # every projection's kernel plan (``tune_products``)
         self.fold_groups = False  # one-token attention folds grouped heads (``tune_attention``)
+        # batch-invariant: a row's logits are the same bits whatever else its call holds
+        # (``make_exact``), so verifying in bf16 gives AR's tokens
+        self.exact = False
 
     @property
     def device(self) -> torch.device:
@@ -316,6 +329,8 @@ class Target(nn.Module):
         different widths (a prompt's causal rows, SIDE rows far past MAIN's) skips most of
         the masked-out work. A GPU attends in one call: there a launch costs more than the
         masked work it would save, and reading the mask back would stall the launch queue."""
+        if self.exact:
+            return self._run(tokens, positions, ArenaCall(arena, rows, write_slots, visibility, None, None), logits_at)
         blocks = query_blocks(reach(visibility), self.block_overhead()) \
             if spans is None and visibility.device.type == "cpu" else None
         mask = mask_bias(visibility, self.dtype)  # once, not in every layer's attention
@@ -328,10 +343,10 @@ class Target(nn.Module):
         after another; logits_at: [K] indices into N. Every projection runs once over all N
         rows; each part attends over its own arena (``Part``). Returns a batch of one:
         logits [1, K, V], aux [1, N, 3·H], final [1, K, H]."""
-        cpu = tokens.device.type == "cpu"
+        cpu = tokens.device.type == "cpu" and not self.exact
         overhead = self.block_overhead()
         blocks = [query_blocks(reach(p.visibility[None]), overhead) if cpu else None for p in parts]
-        masks = [mask_bias(p.visibility[None], self.dtype) for p in parts]
+        masks = [p.visibility[None] if self.exact else mask_bias(p.visibility[None], self.dtype) for p in parts]
         return self._run(tokens[None], positions[None], Packed(parts, blocks, masks),
                          None if logits_at is None else logits_at[None])
 
@@ -424,7 +439,34 @@ def tune(target: Target, cache_dir: Path | None = None) -> Target:
     its own kernels and the separate projections (fused ones are copies beside a shared model's)."""
     if target.device.type != "cpu":
         return target
-    return tune_attention(tune_products(fuse(target), cache_dir=cache_dir))
+    target = tune_attention(tune_products(fuse(target), cache_dir=cache_dir))
+    return make_exact(target) if target.dtype == torch.bfloat16 and exact_possible() else target
+
+
+def exact_possible() -> bool:
+    """Whether this host can run batch-invariant forwards (``make_exact``): oneDNN's packed
+    products and the batch-invariant attention kernel (a C compiler)."""
+    return torch.backends.mkldnn.is_available() and exact_attention.available()
+
+
+def make_exact(target: Target) -> Target:
+    """Batch-invariant forwards: every product on the padded packed kernel, which gives a row
+    the same numbers whatever the call's row count, and attention on the batch-invariant kernel
+    (``exact_attention``); norms, rotary and the MLP's activation are row-wise already. A row's
+    logits are then the same bits in a one-row AR step and in a tree verification, in bf16 as
+    in fp32. Costs the plan's other kernels where they were faster (``Target.products`` says)."""
+    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    if any(m.packed is None for m in linears) and not room_to_pack(
+            sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory()):
+        print("[runtime] no room for packed weights: forwards stay batch-variant (verify in fp32)")
+        return target
+    for m in linears:
+        if m.packed is None:
+            m.pack()
+        m.plan = ((PROBE_ROWS[-1], "packed"),)
+    target.products = ((PROBE_ROWS[-1], "packed"),)
+    target.exact = True
+    return target
 
 
 def fuse(target: Target) -> Target:

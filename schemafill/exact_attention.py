@@ -1,0 +1,126 @@
+"""Batch-invariant attention on a CPU: the C kernel of ``kernels/exact_attention.c``, built
+for this host with the system's C compiler and loaded through ctypes.
+
+A query row gets the same bits from it whatever else its call holds (how many rows, which
+slots around its own are masked), so a verification row equals the one-row AR step at the
+same position bit for bit whenever the row's visible keys sit in slot order by position —
+as MAIN's do. With products that are row-invariant too (``layers.Linear``'s padded packed
+kernel), a whole forward is: the decoders may then verify in bf16 and still give AR's tokens.
+
+The library is compiled once per host (its ISA as torch sees it, the compiler, the source)
+under ``$XDG_CACHE_HOME/schemafill/kernels``; without a compiler or OpenMP the runtime says
+so and keeps SDPA (``available`` is then False). It links the OpenMP runtime torch has
+already loaded, so its threads are torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from schemafill import host_cache
+
+SOURCE = Path(__file__).parent / "kernels" / "exact_attention.c"
+# flags by the ISA torch runs at (``ATEN_CPU_CAPABILITY`` lowers it; the kernel follows)
+ISA_FLAGS = {"AVX512": ["-march=native", "-mprefer-vector-width=512"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+def compile_flags() -> list[str]:
+    return ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+            *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_path(cc: str) -> Path:
+    """Where this host's build of the kernel lives: named by everything its code depends on."""
+    from schemafill.precision import cpu_model
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    key = "|".join([SOURCE.read_text(), *compile_flags(), *version, cpu_model()])
+    return host_cache.folder("kernels") / f"exact_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def build(cc: str, path: Path) -> None:
+    """Compile into a temporary sibling and rename: a reader never loads half a library."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        done = subprocess.run([cc, *compile_flags(), str(SOURCE), "-o", str(out), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(out, path)
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built here (said once)."""
+    cc = compiler()
+    if cc is None:
+        print("[runtime] no C compiler: attention stays on SDPA, and verification is not batch-invariant")
+        return None
+    try:
+        path = library_path(cc)
+        if not path.exists():
+            build(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        print(f"[runtime] batch-invariant attention unavailable ({err}); attention stays on SDPA")
+        return None
+    i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    for fn in (lib.attend_f32, lib.attend_bf16):
+        fn.restype = None
+        fn.argtypes = [i, i, i, i, i, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i, p, i64, i64, i64, f]
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+           visible: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant attention with grouped KV heads.
+
+    q: [B, Hq, T, hd], the head dim contiguous; keys, values: per batch row its arena row
+    [Hkv, capacity, hd] (contiguous), slots beyond ``visible``'s width never read;
+    visible: [B, T, S] boolean. Returns [B, Hq, T, hd] in q's dtype, a view whose
+    ``transpose(1, 2)`` is contiguous ([B, T, Hq, hd]). Every row must see at least one slot.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the batch-invariant attention kernel is not available on this host")
+    b, hq, t, hd = q.shape
+    hkv, capacity = keys[0].shape[0], keys[0].shape[1]
+    if q.dtype == torch.float32:
+        fn = lib.attend_f32
+    elif q.dtype == torch.bfloat16:
+        fn = lib.attend_bf16
+    else:
+        raise TypeError(f"batch-invariant attention takes fp32 or bf16, not {q.dtype}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    mask = visible if visible.dtype == torch.bool else visible.bool()
+    mask = mask.contiguous()
+    s = mask.shape[-1]
+    if s > capacity:
+        raise ValueError(f"visibility over {s} slots, but the arena holds {capacity}")
+    kbase = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64)
+    vbase = torch.tensor([v.data_ptr() for v in values], dtype=torch.int64)
+    out = torch.empty(b, t, hq, hd, dtype=torch.float32)
+    fn(b, t, hq, hkv, hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
+       kbase.data_ptr(), vbase.data_ptr(), keys[0].stride(0), keys[0].stride(1),
+       mask.data_ptr(), mask.stride(0), mask.stride(1), s,
+       out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
+    return out.to(q.dtype).transpose(1, 2)

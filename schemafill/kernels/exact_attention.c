@@ -1,0 +1,156 @@
+/* Batch-invariant attention over a KV arena.
+ *
+ * Every number a query row gets is computed by the same sequence of floating-point
+ * operations whatever else is in the call: how many rows, which lane a row sits in,
+ * how wide the arena is, and which slots around its own are masked. So a row of a tree
+ * verification gets the bits a one-row AR step at the same position gets, provided its
+ * visible keys sit in the arena in position order (the decoders lay MAIN out so).
+ *
+ * How: query rows sharing a KV head are computed side by side in lanes (4, 8 or 16 of
+ * them: the lane count changes the speed, never a lane's numbers), and every sum runs
+ * along one lane in slot order —
+ *   score(r, s) = fma chain over d = 0 .. hd-1 (q pre-scaled),
+ *   max over visible slots (exact whatever the order),
+ *   p = exp(score - max), l = sum of p in slot order,
+ *   o[d] = fma chain over slots in slot order of p * v[s][d], then o / l.
+ * A masked slot adds an exact zero (p = 0), so slots a row does not see, between the ones
+ * it does, change nothing. Accumulation is fp32; keys and values are fp32 or bf16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define U 8    /* slots scored at once: independent fma chains */
+#define DV 16  /* value dimensions accumulated at once */
+
+static inline float from_bf16(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* exp(x) for x <= 0 by range reduction and a degree-6 polynomial (about 1 ulp), branch-free
+ * so it vectorizes; exactly 0 below -87 (masked slots are -inf). */
+static inline float exp_neg(float x) {
+    float c = x > -87.0f ? x : -87.0f;
+    float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    float r = fmaf(n, -0.693359375f, c);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.98756915e-4f;
+    p = fmaf(p, r, 1.39819994e-3f);
+    p = fmaf(p, r, 8.33345205e-3f);
+    p = fmaf(p, r, 4.16657962e-2f);
+    p = fmaf(p, r, 1.66666657e-1f);
+    p = fmaf(p, r, 5.0e-1f);
+    p = fmaf(p * r, r, r) + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return x > -87.0f ? p * scale : 0.0f;
+}
+
+/* One block of up to L query rows of one KV head: qT [hd][L] (pre-scaled, lanes past the
+ * block's rows zero), bias [reach][L] (0 visible, -inf not), P [reach][L] scratch, kbuf
+ * [U][hd] scratch; writes o [hd][L] unnormalized and l [L]. */
+#define DEFINE_BLOCK(NAME, L, T, LOAD)                                                           \
+static void NAME(int hd, int reach, const float *restrict qT, const float *restrict bias,       \
+                 const T *restrict K, const T *restrict V, int64_t kss, float *restrict P,      \
+                 float *restrict kbuf, float *restrict o, float *restrict l) {                  \
+    float m[L];                                                                                  \
+    for (int j = 0; j < L; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                              \
+    for (int s0 = 0; s0 < reach; s0 += U) {                                                      \
+        int un = reach - s0 < U ? reach - s0 : U;                                                \
+        for (int u = 0; u < U; u++)                                                              \
+            for (int d = 0; d < hd; d++) kbuf[u * hd + d] = u < un ? LOAD(K[(s0 + u) * kss + d]) : 0.0f; \
+        float acc[U][L];                                                                         \
+        for (int u = 0; u < U; u++) for (int j = 0; j < L; j++) acc[u][j] = 0.0f;                \
+        for (int d = 0; d < hd; d++) {                                                           \
+            const float *qd = qT + d * L;                                                        \
+            _Pragma("GCC unroll 8")                                                              \
+            for (int u = 0; u < U; u++) {                                                        \
+                float kd = kbuf[u * hd + d];                                                     \
+                for (int j = 0; j < L; j++) acc[u][j] = fmaf(kd, qd[j], acc[u][j]);              \
+            }                                                                                    \
+        }                                                                                        \
+        for (int u = 0; u < un; u++) {                                                           \
+            float *ps = P + (s0 + u) * L;                                                        \
+            const float *bs = bias + (s0 + u) * L;                                               \
+            for (int j = 0; j < L; j++) {                                                        \
+                float x = acc[u][j] + bs[j];                                                     \
+                ps[j] = x;                                                                       \
+                m[j] = x > m[j] ? x : m[j];                                                      \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int j = 0; j < L; j++) m[j] = m[j] == -INFINITY ? 0.0f : m[j];                          \
+    for (int s = 0; s < reach; s++) {                                                            \
+        float *ps = P + s * L;                                                                   \
+        for (int j = 0; j < L; j++) { float p = exp_neg(ps[j] - m[j]); ps[j] = p; l[j] += p; }   \
+    }                                                                                            \
+    for (int d0 = 0; d0 < hd; d0 += DV) {                                                        \
+        float acc[DV][L];                                                                        \
+        for (int e = 0; e < DV; e++) for (int j = 0; j < L; j++) acc[e][j] = 0.0f;               \
+        for (int s = 0; s < reach; s++) {                                                        \
+            const float *p = P + s * L;                                                          \
+            const T *vs = V + s * kss + d0;                                                      \
+            _Pragma("GCC unroll 16")                                                             \
+            for (int e = 0; e < DV; e++) {                                                       \
+                float vd = LOAD(vs[e]);                                                          \
+                for (int j = 0; j < L; j++) acc[e][j] = fmaf(vd, p[j], acc[e][j]);               \
+            }                                                                                    \
+        }                                                                                        \
+        for (int e = 0; e < DV; e++) for (int j = 0; j < L; j++) o[(d0 + e) * L + j] = acc[e][j]; \
+    }                                                                                            \
+}
+
+#define DEFINE_ATTEND(NAME, T, LOAD, B4, B8, B16)                                                \
+DEFINE_BLOCK(B4, 4, T, LOAD)                                                                     \
+DEFINE_BLOCK(B8, 8, T, LOAD)                                                                     \
+DEFINE_BLOCK(B16, 16, T, LOAD)                                                                   \
+void NAME(int B, int Tq, int Hq, int Hkv, int hd,                                                \
+          const T *q, int64_t qsb, int64_t qst, int64_t qsh,                                     \
+          const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
+          const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
+          float *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                       \
+    const int G = Hq / Hkv, R = G * Tq;                                                          \
+    const int L = R <= 4 ? 4 : R <= 8 ? 8 : 16, nrb = (R + L - 1) / L;                          \
+    const int64_t items = (int64_t)B * Hkv * nrb;                                                \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
+    for (int64_t it = 0; it < items; it++) {                                                     \
+        const int b = (int)(it / ((int64_t)Hkv * nrb));                                          \
+        const int g = (int)(it / nrb % Hkv), rb = (int)(it % nrb);                               \
+        const T *K = (const T *)(intptr_t)kbase[b] + g * ksh;                                    \
+        const T *V = (const T *)(intptr_t)vbase[b] + g * ksh;                                    \
+        int rows = R - rb * L < L ? R - rb * L : L, reach = 0;                                   \
+        for (int j = 0; j < rows; j++) {                                                         \
+            const uint8_t *mr = mask + b * msb + (rb * L + j) / G * mst;                         \
+            for (int s = S - 1; s >= reach; s--) if (mr[s]) { reach = s + 1; break; }            \
+        }                                                                                        \
+        float *buf = aligned_alloc(64, sizeof(float) * ((size_t)(2 * reach + 2 * hd + 1) * L + U * hd + 64)); \
+        float *qT = buf, *o = qT + hd * L, *bias = o + hd * L, *P = bias + (size_t)reach * L;   \
+        float *kbuf = P + (size_t)reach * L, *l = kbuf + U * hd;                                 \
+        for (int j = 0; j < L; j++) {                                                            \
+            int r = rb * L + j;                                                                  \
+            const T *qr = q + b * qsb + r / G * qst + (g * G + r % G) * qsh;                     \
+            const uint8_t *mr = mask + b * msb + r / G * mst;                                    \
+            for (int d = 0; d < hd; d++) qT[d * L + j] = j < rows ? LOAD(qr[d]) * scale : 0.0f;  \
+            for (int s = 0; s < reach; s++) bias[s * L + j] = j < rows && mr[s] ? 0.0f : -INFINITY; \
+        }                                                                                        \
+        if (L == 4) B4(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l);                           \
+        else if (L == 8) B8(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l);                      \
+        else B16(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l);                                 \
+        for (int j = 0; j < rows; j++) {                                                         \
+            int r = rb * L + j;                                                                  \
+            float *od = out + b * osb + r / G * ost + (g * G + r % G) * osh;                     \
+            for (int d = 0; d < hd; d++) od[d] = o[d * L + j] / l[j];                            \
+        }                                                                                        \
+        free(buf);                                                                               \
+    }                                                                                            \
+}
+
+#define LOAD_F32(x) (x)
+#define LOAD_BF16(x) from_bf16(x)
+DEFINE_ATTEND(attend_f32, float, LOAD_F32, block4_f32, block8_f32, block16_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16, block4_bf16, block8_bf16, block16_bf16)

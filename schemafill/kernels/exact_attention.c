@@ -22,7 +22,7 @@
 #include <string.h>
 
 #define U 8    /* slots scored at once: independent fma chains */
-#define DV 16  /* value dimensions accumulated at once */
+#define DV 64  /* value dimensions accumulated at once */
 
 static inline float from_bf16(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -62,8 +62,10 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
     for (int j = 0; j < L; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                              \
     for (int s0 = 0; s0 < reach; s0 += U) {                                                      \
         int un = reach - s0 < U ? reach - s0 : U;                                                \
-        for (int u = 0; u < U; u++)                                                              \
-            for (int d = 0; d < hd; d++) kbuf[u * hd + d] = u < un ? LOAD(K[(s0 + u) * kss + d]) : 0.0f; \
+        for (int u = 0; u < un; u++)                                                             \
+            for (int d = 0; d < hd; d++) kbuf[u * hd + d] = LOAD(K[(s0 + u) * kss + d]);         \
+        for (int u = un; u < U; u++)                                                             \
+            for (int d = 0; d < hd; d++) kbuf[u * hd + d] = 0.0f;                                \
         float acc[U][L];                                                                         \
         for (int u = 0; u < U; u++) for (int j = 0; j < L; j++) acc[u][j] = 0.0f;                \
         for (int d = 0; d < hd; d++) {                                                           \
@@ -89,19 +91,26 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
         float *ps = P + s * L;                                                                   \
         for (int j = 0; j < L; j++) { float p = exp_neg(ps[j] - m[j]); ps[j] = p; l[j] += p; }   \
     }                                                                                            \
+    /* values: rows in fours against 64 dimensions of each slot's value row (converted once    \
+     * for the four), one fma chain over slots per (row, dimension) */                           \
     for (int d0 = 0; d0 < hd; d0 += DV) {                                                        \
-        float acc[DV][L];                                                                        \
-        for (int e = 0; e < DV; e++) for (int j = 0; j < L; j++) acc[e][j] = 0.0f;               \
-        for (int s = 0; s < reach; s++) {                                                        \
-            const float *p = P + s * L;                                                          \
-            const T *vs = V + s * kss + d0;                                                      \
-            _Pragma("GCC unroll 16")                                                             \
-            for (int e = 0; e < DV; e++) {                                                       \
-                float vd = LOAD(vs[e]);                                                          \
-                for (int j = 0; j < L; j++) acc[e][j] = fmaf(vd, p[j], acc[e][j]);               \
+        int dn = hd - d0 < DV ? hd - d0 : DV;                                                    \
+        for (int j0 = 0; j0 < L; j0 += 4) {                                                      \
+            float acc[4][DV];                                                                    \
+            for (int i = 0; i < 4; i++) for (int e = 0; e < DV; e++) acc[i][e] = 0.0f;           \
+            for (int s = 0; s < reach; s++) {                                                    \
+                const T *vs = V + s * kss + d0;                                                  \
+                float vf[DV];                                                                    \
+                for (int e = 0; e < DV; e++) vf[e] = e < dn ? LOAD(vs[e]) : 0.0f;                \
+                const float *p = P + s * L + j0;                                                 \
+                _Pragma("GCC unroll 4")                                                          \
+                for (int i = 0; i < 4; i++) {                                                    \
+                    float pi = p[i];                                                             \
+                    for (int e = 0; e < DV; e++) acc[i][e] = fmaf(vf[e], pi, acc[i][e]);         \
+                }                                                                                \
             }                                                                                    \
+            for (int i = 0; i < 4; i++) for (int e = 0; e < dn; e++) o[(d0 + e) * L + j0 + i] = acc[i][e]; \
         }                                                                                        \
-        for (int e = 0; e < DV; e++) for (int j = 0; j < L; j++) o[(d0 + e) * L + j] = acc[e][j]; \
     }                                                                                            \
 }
 

@@ -116,17 +116,23 @@ def decode_choice(model: ModelConfig, location: str, device: torch.device, verif
     """The dtype ``model`` runs forward in on ``device``, and why (a stage records it): ``model.dtype``,
     where ``auto`` on a CPU is measured at the target's own shapes (``schemafill/precision.py``).
 
-    Work that ``verifies`` drafts stays in fp32 under ``auto`` on a CPU: a verification computes
-    n rows where AR computes one, and in bf16 the two round differently often enough that
-    speculative tokens stop equalling AR's (docs/builtin-target.md, "Precision"). Generating
-    training data verifies nothing, so it takes the probe's choice; ``model.dtype=bfloat16``
-    forces bf16 everywhere."""
+    Work that ``verifies`` drafts takes bf16 under ``auto`` on a CPU only where the runtime's
+    forwards are batch-invariant there (``runtime.exact_possible``): a verification computes n
+    rows where AR computes one, and unless a row's numbers are the same bits either way, bf16
+    rounds the two differently often enough that speculative tokens stop equalling AR's
+    (docs/builtin-target.md, "Precision"). Elsewhere it keeps fp32. Generating training data
+    verifies nothing, so it takes the probe's choice; ``model.dtype=bfloat16`` forces bf16 everywhere."""
     from schemafill.device import decode_precision, resolve_dtype
+    from schemafill.runtime import exact_possible
 
     if model.dtype == "auto" and device.type == "cpu":
         probed = decode_precision(device, load_config(location, model.revision))
         if verifies and probed.bf16:
-            kept = dataclasses.replace(probed, bf16=False, why=f"fp32 for lossless verification, though the {probed.why}")
+            if exact_possible():
+                return probed.dtype, {**probed.summary(), "why": f"{probed.why}; batch-invariant forwards keep "
+                                                                 f"verification equal to AR"}
+            kept = dataclasses.replace(probed, bf16=False, why=f"fp32 for lossless verification (no batch-invariant "
+                                                                f"forward on this host), though the {probed.why}")
             return kept.dtype, kept.summary()
         return probed.dtype, probed.summary()
     dtype = resolve_dtype(model.dtype, device)

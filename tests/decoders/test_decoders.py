@@ -16,7 +16,7 @@ from tests.conftest import decode_tree
 from infer.proposers.head import HeadDrafter, TreeBudget
 from infer.spec.tree import ROOT
 from schemafill.drafter import Eagle3Head, HeadConfig
-from schemafill.runtime import from_hf_model, rope_tables
+from schemafill.runtime import exact_possible, from_hf_model, rope_tables
 from tests.core.test_runtime import VOCAB, hf_model
 
 
@@ -195,3 +195,24 @@ def test_a_head_not_worth_its_time_skips_rounds_and_catches_up_on_all_it_skipped
     # skipped rounds, then one to keep measuring
     assert [n > 0 for n in trees] == [True] + [False] * SKIP_AT_MOST + [True, False]
     assert drafted == 2
+
+
+@pytest.mark.skipif(not exact_possible(), reason="no batch-invariant forward on this host")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_in_bf16_every_decoder_equals_bf16_ar(family):
+    """Lossless is relative to AR in the same precision: with batch-invariant forwards a bf16
+    verification gives bf16 AR's tokens, where rounding would otherwise part them."""
+    model = hf_model(family, seed=7).to(torch.bfloat16)
+    target = from_hf_model(model, aux_layer_ids=[1, 2, 3])
+    target.hf_config = model.config
+    assert target.exact
+    head = random_head(target, seed=5).to(torch.bfloat16)
+    rng = random.Random(2)
+    for case in range(3):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 40))]
+        ar = decode_ar(target, CharTokenizer(-1), prompt, 32, frozenset())
+        drafters = {"oracle": Oracle(prompt, ar.ids, 5), "random": RandomTree(case),
+                    "head": HeadDrafter(head, TreeBudget(topk=4, depth=4, total=20))}
+        for name, drafter in drafters.items():
+            out = decode_tree(target, CharTokenizer(-1), prompt, 32, frozenset(), drafter, scratch=32)
+            assert out.ids == ar.ids, (family, case, name)

@@ -21,10 +21,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
         if x.dtype == torch.float32 == self.weight.dtype:  # one fused kernel, the same formula
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # in fp32 as transformers does, then cast back before the weight; fused, not 5 small ops
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 KERNELS = ("plain", "transposed", "packed")
@@ -81,7 +79,7 @@ class Linear(nn.Linear):
         if kernel == "plain":
             return super().forward(x)
         rows = x.shape[0]
-        padded = x.repeat(2, 1) if rows == 1 else x
+        padded = torch.cat((x, x)) if rows == 1 else x  # cat: a few µs less than repeat, per product
         if kernel == "packed":
             y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")
         else:

@@ -34,7 +34,7 @@ ISA_FLAGS = {"AVX512": ["-march=native", "-mprefer-vector-width=512"], "AVX2": [
 
 
 def compile_flags() -> list[str]:
-    return ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+    return ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Werror=implicit-function-declaration",
             *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
 
 
@@ -101,26 +101,21 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
     lib = library()
     if lib is None:
         raise RuntimeError("the batch-invariant attention kernel is not available on this host")
-    b, hq, t, hd = q.shape
-    hkv, capacity = keys[0].shape[0], keys[0].shape[1]
-    if q.dtype == torch.float32:
-        fn = lib.attend_f32
-    elif q.dtype == torch.bfloat16:
-        fn = lib.attend_bf16
-    else:
+    fn = {torch.float32: lib.attend_f32, torch.bfloat16: lib.attend_bf16}.get(q.dtype)
+    if fn is None:
         raise TypeError(f"batch-invariant attention takes fp32 or bf16, not {q.dtype}")
+    b, hq, t, hd = q.shape
+    k0 = keys[0]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    mask = visible if visible.dtype == torch.bool else visible.bool()
-    mask = mask.contiguous()
-    s = mask.shape[-1]
-    if s > capacity:
-        raise ValueError(f"visibility over {s} slots, but the arena holds {capacity}")
-    kbase = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64)
-    vbase = torch.tensor([v.data_ptr() for v in values], dtype=torch.int64)
-    out = torch.empty(b, t, hq, hd, dtype=torch.float32)
-    fn(b, t, hq, hkv, hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
-       kbase.data_ptr(), vbase.data_ptr(), keys[0].stride(0), keys[0].stride(1),
-       mask.data_ptr(), mask.stride(0), mask.stride(1), s,
+    if visible.dtype != torch.bool or not visible.is_contiguous():
+        visible = visible.bool().contiguous()
+    if visible.shape[-1] > k0.shape[1]:
+        raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {k0.shape[1]}")
+    rows = ctypes.c_int64 * b  # per batch row: where its keys and values start
+    out = torch.empty(b, t, hq, hd, dtype=q.dtype)
+    fn(b, t, hq, k0.shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
+       rows(*(k.data_ptr() for k in keys)), rows(*(v.data_ptr() for v in values)), k0.stride(0), k0.stride(1),
+       visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1],
        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
-    return out.to(q.dtype).transpose(1, 2)
+    return out.transpose(1, 2)

@@ -31,6 +31,14 @@ static inline float from_bf16(uint16_t x) {
     return f;
 }
 
+/* round to nearest even, as torch rounds fp32 to bf16 */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* exp(x) for x <= 0 by range reduction and a degree-6 polynomial (about 1 ulp), branch-free
  * so it vectorizes; exactly 0 below -87 (masked slots are -inf). */
 static inline float exp_neg(float x) {
@@ -114,7 +122,7 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
     }                                                                                            \
 }
 
-#define DEFINE_ATTEND(NAME, T, LOAD, B4, B8, B16)                                                \
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE, B4, B8, B16)                                            \
 DEFINE_BLOCK(B4, 4, T, LOAD)                                                                     \
 DEFINE_BLOCK(B8, 8, T, LOAD)                                                                     \
 DEFINE_BLOCK(B16, 16, T, LOAD)                                                                   \
@@ -122,7 +130,7 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
           const T *q, int64_t qsb, int64_t qst, int64_t qsh,                                     \
           const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
           const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
-          float *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                       \
+          T *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                           \
     const int G = Hq / Hkv, R = G * Tq;                                                          \
     const int L = R <= 4 ? 4 : R <= 8 ? 8 : 16, nrb = (R + L - 1) / L;                          \
     const int64_t items = (int64_t)B * Hkv * nrb;                                                \
@@ -152,14 +160,13 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
         else B16(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l);                                 \
         for (int j = 0; j < rows; j++) {                                                         \
             int r = rb * L + j;                                                                  \
-            float *od = out + b * osb + r / G * ost + (g * G + r % G) * osh;                     \
-            for (int d = 0; d < hd; d++) od[d] = o[d * L + j] / l[j];                            \
+            T *od = out + b * osb + r / G * ost + (g * G + r % G) * osh;                         \
+            for (int d = 0; d < hd; d++) od[d] = STORE(o[d * L + j] / l[j]);                     \
         }                                                                                        \
         free(buf);                                                                               \
     }                                                                                            \
 }
 
-#define LOAD_F32(x) (x)
-#define LOAD_BF16(x) from_bf16(x)
-DEFINE_ATTEND(attend_f32, float, LOAD_F32, block4_f32, block8_f32, block16_f32)
-DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16, block4_bf16, block8_bf16, block16_bf16)
+#define SAME(x) (x)
+DEFINE_ATTEND(attend_f32, float, SAME, SAME, block4_f32, block8_f32, block16_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block4_bf16, block8_bf16, block16_bf16)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schemafill import exact_attention, host_cache
+from schemafill import exact_kernels, host_cache
 from schemafill.layers import (KERNELS, MLP, Linear, RMSNorm, Rotary, apply_rotary_rolled, attend, mask_bias,
                                query_blocks, signed_sin)
 from schemafill.timing import alternating_ms
@@ -206,7 +206,7 @@ class ArenaCall:
         arena.write(layer, self.rows, self.slots, k, v)
         if mask.dtype == torch.bool:  # each row reads just the slots it sees, in one call
             rows = range(q.shape[0]) if self.rows is None else self.rows.tolist()
-            return exact_attention.attend(q, [arena.k[layer][r] for r in rows], [arena.v[layer][r] for r in rows],
+            return exact_kernels.attend(q, [arena.k[layer][r] for r in rows], [arena.v[layer][r] for r in rows],
                                           mask)
         if self.spans is None:
             keys, values = arena.read(layer, self.rows, mask.shape[-1])  # [B, Hkv, S, hd]
@@ -246,7 +246,7 @@ class Packed:
             a, b = part.start, part.stop
             part.arena.write(layer, None, part.slots[None], k[:, :, a:b], v[:, :, a:b])
             if mask.dtype == torch.bool:
-                outs.append(exact_attention.attend(q[:, :, a:b], [part.arena.k[layer][0]], [part.arena.v[layer][0]],
+                outs.append(exact_kernels.attend(q[:, :, a:b], [part.arena.k[layer][0]], [part.arena.v[layer][0]],
                                                    mask))
                 continue
             keys, values = part.arena.read(layer, None, mask.shape[-1])  # [1, Hkv, S, hd]
@@ -357,15 +357,27 @@ class Target(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, T, hd], once for every layer
         saved = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in c.aux_layer_ids:
-                saved[i] = x
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, kv)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if logits_at is not None:
-            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
+        if self.exact and x.dtype == torch.bfloat16:  # each residual add and the norm after it: one call
+            layers = self.model.layers
+            x, h = exact_kernels.add_rms_norm(x, None, layers[0].input_layernorm.weight, c.rms_norm_eps)
+            for i, layer in enumerate(layers):
+                if i in c.aux_layer_ids:
+                    saved[i] = x
+                x, h = exact_kernels.add_rms_norm(x, layer.self_attn(h, cos, sin, i, kv),
+                                                  layer.post_attention_layernorm.weight, c.rms_norm_eps)
+                after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                x, h = exact_kernels.add_rms_norm(x, layer.mlp(h), after.weight, c.rms_norm_eps)
+            final = h if logits_at is None else h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in c.aux_layer_ids:
+                    saved[i] = x
+                x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, i, kv)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if logits_at is not None:
+                x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
+            final = self.model.norm(x)
         aux = torch.cat([saved[i] for i in c.aux_layer_ids], dim=-1)
-        final = self.model.norm(x)
         return Forward(logits=self.lm_head(final).float(), aux=aux, final=final)
 
     def block_overhead(self) -> int:
@@ -446,13 +458,13 @@ def tune(target: Target, cache_dir: Path | None = None) -> Target:
 def exact_possible() -> bool:
     """Whether this host can run batch-invariant forwards (``make_exact``): oneDNN's packed
     products and the batch-invariant attention kernel (a C compiler)."""
-    return torch.backends.mkldnn.is_available() and exact_attention.available()
+    return torch.backends.mkldnn.is_available() and exact_kernels.available()
 
 
 def make_exact(target: Target) -> Target:
     """Batch-invariant forwards: every product on the padded packed kernel, which gives a row
     the same numbers whatever the call's row count, and attention on the batch-invariant kernel
-    (``exact_attention``); norms, rotary and the MLP's activation are row-wise already. A row's
+    (``exact_kernels``); norms, rotary and the MLP's activation are row-wise already. A row's
     logits are then the same bits in a one-row AR step and in a tree verification, in bf16 as
     in fp32. Costs the plan's other kernels where they were faster (``Target.products`` says)."""
     linears = [m for m in target.modules() if isinstance(m, Linear)]

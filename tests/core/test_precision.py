@@ -56,7 +56,7 @@ def test_verifying_work_keeps_fp32_where_the_probe_prefers_bf16(tmp_path, monkey
     one-row forwards round differently, so speculation would drift from AR); a forced dtype wins."""
     from schemafill.config import ModelConfig
     from schemafill.device import DECODE_ROWS
-    from schemafill import exact_attention
+    from schemafill import exact_kernels
     from schemafill.models import decode_choice, load_config
     from schemafill.runtime import exact_possible
     from schemafill.precision import default_cache
@@ -75,7 +75,7 @@ def test_verifying_work_keeps_fp32_where_the_probe_prefers_bf16(tmp_path, monkey
         assert verifies == torch.bfloat16 and "batch-invariant" in why["why"]
     else:
         assert verifies == torch.float32 and "lossless" in why["why"]
-    monkeypatch.setattr(exact_attention, "library", lambda: None)  # a host without a C compiler
+    monkeypatch.setattr(exact_kernels, "library", lambda: None)  # a host without a C compiler
     verifies, why = decode_choice(auto, str(tiny_target), cpu, verifies=True)
     assert verifies == torch.float32 and "lossless" in why["why"]
     forced, _ = decode_choice(ModelConfig(name="t", source="t", aux_layer_ids=[1], dtype="bfloat16"), str(tiny_target), cpu, verifies=True)

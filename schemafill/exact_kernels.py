@@ -1,5 +1,6 @@
-"""Batch-invariant attention on a CPU: the C kernel of ``kernels/exact_attention.c``, built
-for this host with the system's C compiler and loaded through ctypes.
+"""Batch-invariant kernels on a CPU — attention, and the residual add with RMSNorm in bf16 —
+from ``kernels/exact.c``, built for this host with the system's C compiler and loaded through
+ctypes.
 
 A query row gets the same bits from it whatever else its call holds (how many rows, which
 slots around its own are masked), so a verification row equals the one-row AR step at the
@@ -28,7 +29,7 @@ import torch
 
 from schemafill import host_cache
 
-SOURCE = Path(__file__).parent / "kernels" / "exact_attention.c"
+SOURCE = Path(__file__).parent / "kernels" / "exact.c"
 # flags by the ISA torch runs at (``ATEN_CPU_CAPABILITY`` lowers it; the kernel follows)
 ISA_FLAGS = {"AVX512": ["-march=native", "-mprefer-vector-width=512"], "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
 
@@ -48,7 +49,7 @@ def library_path(cc: str) -> Path:
 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     key = "|".join([SOURCE.read_text(), *compile_flags(), *version, cpu_model()])
-    return host_cache.folder("kernels") / f"exact_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    return host_cache.folder("kernels") / f"exact_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
 def build(cc: str, path: Path) -> None:
@@ -82,6 +83,8 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.attend_f32, lib.attend_bf16):
         fn.restype = None
         fn.argtypes = [i, i, i, i, i, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i, p, i64, i64, i64, f]
+    lib.add_rms_norm_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = [i64, i, p, i64, p, i64, p, f, p, i64, p, i64]
     return lib
 
 
@@ -119,3 +122,23 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
        visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1],
        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
     return out.transpose(1, 2)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream ``s = x + y`` (``x`` alone when y is None) and its RMSNorm
+    ``weight * norm(s)``, both bf16 rounded as torch's bf16 ops round them, in one call row by
+    row. x, y: [..., D] bf16 with the last dim contiguous; weight: [D] bf16. Returns (s, normed)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the batch-invariant kernels are not available on this host")
+    d = x.shape[-1]
+    rows = x.numel() // d
+    x2 = x.reshape(rows, d)
+    y2 = None if y is None else y.reshape(rows, d)
+    s = torch.empty(rows, d, dtype=torch.bfloat16)
+    out = torch.empty(rows, d, dtype=torch.bfloat16)
+    lib.add_rms_norm_bf16(rows, d, x2.data_ptr(), x2.stride(0), None if y2 is None else y2.data_ptr(),
+                          0 if y2 is None else y2.stride(0), weight.data_ptr(), eps, s.data_ptr(), s.stride(0),
+                          out.data_ptr(), out.stride(0))
+    return s.view(x.shape), out.view(x.shape)

@@ -170,3 +170,27 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
 #define SAME(x) (x)
 DEFINE_ATTEND(attend_f32, float, SAME, SAME, block4_f32, block8_f32, block16_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block4_bf16, block8_bf16, block16_bf16)
+
+/* Residual add and RMSNorm of bf16 rows, as the bf16 torch ops round them: s = bf16(x + y)
+ * (y may be NULL: s = x), then out = bf16(w * bf16(s * r)) with r = 1 / sqrt(mean(s²) + eps)
+ * in fp32. Row by row, the same operations for every row. */
+void add_rms_norm_bf16(int64_t rows, int dim, const uint16_t *x, int64_t xs, const uint16_t *y, int64_t ys,
+                       const uint16_t *w, float eps, uint16_t *sum, int64_t ss, uint16_t *out, int64_t os) {
+    #pragma omp parallel for if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * xs;
+        uint16_t *sr = sum + r * ss, *orow = out + r * os;
+        float acc[16] = {0};
+        for (int i = 0; i < dim; i++) {
+            float v = y ? from_bf16(to_bf16(from_bf16(xr[i]) + from_bf16(y[r * ys + i]))) : from_bf16(xr[i]);
+            sr[i] = to_bf16(v);
+            acc[i % 16] = fmaf(v, v, acc[i % 16]);
+        }
+        float t8[8], t4[4];
+        for (int l = 0; l < 8; l++) t8[l] = acc[l] + acc[l + 8];
+        for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
+        float inv = 1.0f / sqrtf(((t4[0] + t4[2]) + (t4[1] + t4[3])) / (float)dim + eps);
+        for (int i = 0; i < dim; i++)
+            orow[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(sr[i]) * inv)));
+    }
+}

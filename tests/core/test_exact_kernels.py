@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from schemafill import exact_attention
+from schemafill import exact_kernels
 from schemafill.runtime import causal_visibility, exact_possible, from_hf_model
 from tests.core.test_runtime import VOCAB, hf_model
 
@@ -30,7 +30,7 @@ def test_the_kernel_is_attention(dtype, hd):
     q = torch.randn(1, HQ, 7, hd).to(dtype)
     visible = torch.rand(1, 7, 80) < 0.6
     visible[..., 3] = True
-    out = exact_attention.attend(q, [k], [v], visible)
+    out = exact_kernels.attend(q, [k], [v], visible)
     ref = F.scaled_dot_product_attention(q.float(), k[None, :, :80].float(), v[None, :, :80].float(),
                                          attn_mask=visible[:, None], enable_gqa=True)
     assert out.dtype == dtype and out.shape == (1, HQ, 7, hd)
@@ -44,10 +44,10 @@ def test_a_row_gets_the_same_bits_alone_and_among_many(dtype):
     q = torch.randn(1, HQ, 40, 64).to(dtype)
     visible = torch.rand(1, 40, 290) < 0.8
     visible[..., 0] = True
-    together = exact_attention.attend(q, [k], [v], visible)  # rows side by side, sixteen lanes
+    together = exact_kernels.attend(q, [k], [v], visible)  # rows side by side, sixteen lanes
     for r in (0, 5, 39):
         reach = int(visible[0, r].nonzero().max()) + 1
-        alone = exact_attention.attend(q[:, :, r:r + 1], [k], [v], visible[:, r:r + 1, :reach])  # four lanes, narrower
+        alone = exact_kernels.attend(q[:, :, r:r + 1], [k], [v], visible[:, r:r + 1, :reach])  # four lanes, narrower
         assert torch.equal(alone[:, :, 0], together[:, :, r])
     assert not torch.equal(together[:, :, 0], together[:, :, 1])
 
@@ -59,13 +59,13 @@ def test_masked_slots_between_the_seen_ones_change_nothing(dtype):
     k, v = arena(64, 200, dtype, 2)
     q = torch.randn(1, HQ, 1, 64).to(dtype)
     seen = torch.arange(100)
-    packed = exact_attention.attend(q, [k], [v], torch.ones(1, 1, 100, dtype=torch.bool))
+    packed = exact_kernels.attend(q, [k], [v], torch.ones(1, 1, 100, dtype=torch.bool))
     spread = seen + torch.arange(100) // 9  # a gap after every ninth key
     k2, v2 = torch.randn_like(k.float()).to(dtype), torch.randn_like(v.float()).to(dtype)  # unseen slots hold noise
     k2[:, spread], v2[:, spread] = k[:, seen], v[:, seen]
     mask = torch.zeros(1, 1, int(spread[-1]) + 1, dtype=torch.bool)
     mask[0, 0, spread] = True
-    assert torch.equal(exact_attention.attend(q, [k2], [v2], mask), packed)
+    assert torch.equal(exact_kernels.attend(q, [k2], [v2], mask), packed)
 
 
 def test_batch_rows_read_their_own_arena_rows():
@@ -73,9 +73,9 @@ def test_batch_rows_read_their_own_arena_rows():
     k1, v1 = arena(64, 50, torch.float32, 4)
     q = torch.randn(2, HQ, 3, 64)
     visible = torch.ones(2, 3, 40, dtype=torch.bool)
-    both = exact_attention.attend(q, [k0, k1], [v0, v1], visible)
-    assert torch.equal(both[1:], exact_attention.attend(q[1:], [k1], [v1], visible[1:]))
-    assert torch.equal(both[:1], exact_attention.attend(q[:1], [k0], [v0], visible[:1]))
+    both = exact_kernels.attend(q, [k0, k1], [v0, v1], visible)
+    assert torch.equal(both[1:], exact_kernels.attend(q[1:], [k1], [v1], visible[1:]))
+    assert torch.equal(both[:1], exact_kernels.attend(q[:1], [k0], [v0], visible[:1]))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -83,6 +83,10 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.attend_f32, lib.attend_bf16):
         fn.restype = None
         fn.argtypes = [i, i, i, i, i, p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i, p, i64, i64, i64, f]
+    for fn in (lib.rope_attend_f32, lib.rope_attend_bf16):
+        fn.restype = None
+        fn.argtypes = [i, i, i, i, i, p, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, p, i64,
+                       p, p, i64, i64, p, i64, i64, i, p, p, i64, i64, i64, f]
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [i64, i, p, i64, p, i64, p, f, p, i64, p, i64]
     return lib
@@ -121,6 +125,41 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
        rows(*(k.data_ptr() for k in keys)), rows(*(v.data_ptr() for v in values)), k0.stride(0), k0.stride(1),
        visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1],
        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
+    return out.transpose(1, 2)
+
+
+def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                visible: torch.Tensor) -> torch.Tensor:
+    """Rotary on the new queries and keys, the new keys and values into the arena, then
+    ``attend``, in one call (rounded as torch's ops in q's dtype round them).
+
+    q: [B, Hq, T, hd]; k, v: [B, Hkv, T, hd] (views with the head dim contiguous); cos, sin:
+    [B, 1, T, hd], sin with its first half negated (``layers.signed_sin``); slots: [B, T], where
+    each token's key and value go in its batch row's arena row (``keys``, ``values``: per batch
+    row, [Hkv, capacity, hd]); visible: [B, T, S] boolean. Returns [B, Hq, T, hd] as ``attend``."""
+    lib = library()
+    fn = {torch.float32: lib.rope_attend_f32, torch.bfloat16: lib.rope_attend_bf16}.get(q.dtype) if lib else None
+    if fn is None:
+        raise RuntimeError(f"no batch-invariant rotary attention for {q.dtype} on this host")
+    b, hq, t, hd = q.shape
+    k0 = keys[0]
+    if not all(x.stride(-1) == 1 for x in (q, k, v, cos, sin)):
+        raise ValueError("rope_attend needs the head dim contiguous")
+    if visible.dtype != torch.bool or not visible.is_contiguous():
+        visible = visible.bool().contiguous()
+    if visible.shape[-1] > k0.shape[1]:
+        raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {k0.shape[1]}")
+    slots = slots.to(torch.int64).contiguous()
+    rows = ctypes.c_int64 * b
+    qbuf = torch.empty(b, t, hq, hd, dtype=q.dtype)
+    out = torch.empty(b, t, hq, hd, dtype=q.dtype)
+    fn(b, t, hq, k0.shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
+       k.data_ptr(), k.stride(0), k.stride(2), k.stride(1), v.data_ptr(), v.stride(0), v.stride(2), v.stride(1),
+       cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(2), slots.data_ptr(), slots.stride(0),
+       rows(*(x.data_ptr() for x in keys)), rows(*(x.data_ptr() for x in values)), k0.stride(0), k0.stride(1),
+       visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1],
+       qbuf.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
     return out.transpose(1, 2)
 
 

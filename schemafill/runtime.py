@@ -181,16 +181,16 @@ class Attention(nn.Module):
             q, k, v = (p(x).view(b, t, -1, hd).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.c.qk_norm:  # over each head's dimensions
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary_rolled(q, cos, sin)  # [B, Hq, T, hd]
-        k = apply_rotary_rolled(k, cos, sin)  # [B, Hkv, T, hd]
-        out = kv(layer, q, k, v, self.fold_groups)  # [B, Hq, T, hd]
+        out = kv(layer, q, k, v, cos, sin, self.fold_groups)  # [B, Hq, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 @dataclass(frozen=True)
 class ArenaCall:
     """Where a batch-row call's keys and values go and what its tokens attend to
-    (``Target.forward``): batch row b writes to arena row ``rows[b]``."""
+    (``Target.forward``): batch row b writes to arena row ``rows[b]``. Called per layer with
+    the new queries, keys and values before rotary: it rotates them, writes keys and values to
+    the arena and attends (the batch-invariant kernel does all three in one call)."""
 
     arena: KVArena
     rows: torch.Tensor | None  # [B] (None: rows 0..B-1)
@@ -201,13 +201,16 @@ class ArenaCall:
     spans: list[tuple[int, int]] | None
     blocks: list[tuple[int, int, int]] | None
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, fold: bool) -> torch.Tensor:
+        # q: [B, Hq, T, hd]; k, v: [B, Hkv, T, hd]; cos, sin: [B, 1, T, hd] (``Attention.forward``)
         arena, mask = self.arena, self.mask
-        arena.write(layer, self.rows, self.slots, k, v)
         if mask.dtype == torch.bool:  # each row reads just the slots it sees, in one call
             rows = range(q.shape[0]) if self.rows is None else self.rows.tolist()
-            return exact_kernels.attend(q, [arena.k[layer][r] for r in rows], [arena.v[layer][r] for r in rows],
-                                          mask)
+            return exact_kernels.rope_attend(q, k, v, cos, sin, self.slots, [arena.k[layer][r] for r in rows],
+                                             [arena.v[layer][r] for r in rows], mask)
+        q, k = apply_rotary_rolled(q, cos, sin), apply_rotary_rolled(k, cos, sin)
+        arena.write(layer, self.rows, self.slots, k, v)
         if self.spans is None:
             keys, values = arena.read(layer, self.rows, mask.shape[-1])  # [B, Hkv, S, hd]
             return attend(q, keys, values, mask, self.blocks, fold)
@@ -240,15 +243,21 @@ class Packed:
     blocks: list[list[tuple[int, int, int]] | None]
     masks: list[torch.Tensor]  # [1, T, S] per part: its visibility as an additive bias, or booleans (``ArenaCall``)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, fold: bool) -> torch.Tensor:
+        # as ``ArenaCall``'s, a batch of one whose rows are the parts' rows one after another
         outs = []
+        exact = self.masks[0].dtype == torch.bool
+        if not exact:
+            q, k = apply_rotary_rolled(q, cos, sin), apply_rotary_rolled(k, cos, sin)
         for part, blocks, mask in zip(self.parts, self.blocks, self.masks):
             a, b = part.start, part.stop
-            part.arena.write(layer, None, part.slots[None], k[:, :, a:b], v[:, :, a:b])
-            if mask.dtype == torch.bool:
-                outs.append(exact_kernels.attend(q[:, :, a:b], [part.arena.k[layer][0]], [part.arena.v[layer][0]],
-                                                   mask))
+            if exact:
+                outs.append(exact_kernels.rope_attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], cos[:, :, a:b],
+                                                      sin[:, :, a:b], part.slots[None], [part.arena.k[layer][0]],
+                                                      [part.arena.v[layer][0]], mask))
                 continue
+            part.arena.write(layer, None, part.slots[None], k[:, :, a:b], v[:, :, a:b])
             keys, values = part.arena.read(layer, None, mask.shape[-1])  # [1, Hkv, S, hd]
             outs.append(attend(q[:, :, a:b], keys, values, mask, blocks, fold))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -167,6 +167,50 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
     }                                                                                            \
 }
 
+/* Rotary on new keys and queries, new keys and values into the arena, then attention, in one
+ * call: x' = x * cos + roll(x, hd/2) * sin_signed per head, each product and the sum rounded to
+ * T as torch's T ops round them (sin_signed: the sine with its first half negated). q, k, v:
+ * [B, T, heads, hd] strided; cos, sin: [B, T, hd] strided; slots [B, T]: where each token's
+ * key and value go in its batch row's arena row. */
+#define DEFINE_ROPE_ATTEND(NAME, ATTEND, T, LOAD, STORE)                                          \
+static inline void NAME##_rotate(const T *x, const T *c, const T *sn, int hd, T *y) {             \
+    int half = hd / 2;                                                                           \
+    for (int d = 0; d < hd; d++) {                                                               \
+        float rolled = LOAD(x[d < half ? d + half : d - half]);                                  \
+        float a = LOAD(STORE(LOAD(x[d]) * LOAD(c[d])));                                          \
+        float b = LOAD(STORE(rolled * LOAD(sn[d])));                                             \
+        y[d] = STORE(a + b);                                                                     \
+    }                                                                                            \
+}                                                                                                \
+void NAME(int B, int Tq, int Hq, int Hkv, int hd,                                                \
+          const T *q, int64_t qsb, int64_t qst, int64_t qsh,                                     \
+          const T *k, int64_t ksb, int64_t kst, int64_t ksh_in,                                  \
+          const T *v, int64_t vsb, int64_t vst, int64_t vsh,                                     \
+          const T *cs, const T *sn, int64_t csb, int64_t cst,                                    \
+          const int64_t *slots, int64_t ssb,                                                     \
+          const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
+          const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
+          T *qbuf, T *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                 \
+    _Pragma("omp parallel for if (B * Tq > 16)")                                                 \
+    for (int64_t bt = 0; bt < (int64_t)B * Tq; bt++) {                                           \
+        int b = (int)(bt / Tq), t = (int)(bt % Tq);                                              \
+        const T *c = cs + b * csb + t * cst, *sv = sn + b * csb + t * cst;                       \
+        int64_t slot = slots[b * ssb + t];                                                       \
+        T *K = (T *)(intptr_t)kbase[b], *V = (T *)(intptr_t)vbase[b];                            \
+        for (int h = 0; h < Hkv; h++) {                                                          \
+            NAME##_rotate(k + b * ksb + t * kst + h * ksh_in, c, sv, hd, K + h * ksh + slot * kss); \
+            const T *vin = v + b * vsb + t * vst + h * vsh;                                      \
+            T *vout = V + h * ksh + slot * kss;                                                  \
+            for (int d = 0; d < hd; d++) vout[d] = vin[d];                                       \
+        }                                                                                        \
+        for (int h = 0; h < Hq; h++)                                                             \
+            NAME##_rotate(q + b * qsb + t * qst + h * qsh, c, sv, hd,                            \
+                          qbuf + ((int64_t)b * Tq + t) * Hq * hd + h * hd);                      \
+    }                                                                                            \
+    ATTEND(B, Tq, Hq, Hkv, hd, qbuf, (int64_t)Tq * Hq * hd, (int64_t)Hq * hd, hd, kbase, vbase, ksh, kss, \
+           mask, msb, mst, S, out, osb, ost, osh, scale);                                        \
+}
+
 #define SAME(x) (x)
 DEFINE_ATTEND(attend_f32, float, SAME, SAME, block4_f32, block8_f32, block16_f32)
 DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block4_bf16, block8_bf16, block16_bf16)
@@ -194,3 +238,6 @@ void add_rms_norm_bf16(int64_t rows, int dim, const uint16_t *x, int64_t xs, con
             orow[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(sr[i]) * inv)));
     }
 }
+
+DEFINE_ROPE_ATTEND(rope_attend_f32, attend_f32, float, SAME, SAME)
+DEFINE_ROPE_ATTEND(rope_attend_bf16, attend_bf16, uint16_t, from_bf16, to_bf16)

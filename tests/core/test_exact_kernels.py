@@ -3,6 +3,7 @@ holds, so a verification row is the same bits as the one-row AR step (in bf16 to
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from schemafill import exact_kernels
-from schemafill.runtime import causal_visibility, exact_possible, from_hf_model
+from schemafill.layers import RMSNorm, Rotary, apply_rotary_rolled, signed_sin
+from schemafill.runtime import causal_visibility, exact_possible, from_hf_model, make_exact
 from tests.core.test_runtime import VOCAB, hf_model
 
 pytestmark = pytest.mark.skipif(not exact_possible(), reason="no C compiler or oneDNN on this host")
@@ -36,6 +38,26 @@ def test_the_kernel_is_attention(dtype, hd):
     assert out.dtype == dtype and out.shape == (1, HQ, 7, hd)
     assert out.transpose(1, 2).is_contiguous()
     torch.testing.assert_close(out.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_arena_writes_and_attention_in_one_call(dtype):
+    """``rope_attend`` = rotary as the layers do it, the new keys and values written to their
+    slots, then attention; the arena holds what the ordinary path would have written."""
+    hd, t = 64, 5
+    keys, values = arena(hd, 40, dtype, 5)
+    k_ref, v_ref = keys.clone(), values.clone()
+    q, k, v = (torch.randn(1, h, t, hd).to(dtype) for h in (HQ, HKV, HKV))
+    cos, sin = Rotary(1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd))(torch.arange(20, 25)[None], dtype)
+    cos, sin = cos[:, None], signed_sin(sin)[:, None]
+    slots = torch.tensor([[30, 31, 33, 36, 37]])
+    visible = torch.rand(1, t, 38) < 0.7
+    visible[0, torch.arange(t), slots[0]] = True
+    out = exact_kernels.rope_attend(q, k, v, cos, sin, slots, [keys], [values], visible)
+    qr, kr = apply_rotary_rolled(q, cos, sin), apply_rotary_rolled(k, cos, sin)
+    k_ref[:, slots[0]], v_ref[:, slots[0]] = kr[0], v[0]
+    assert torch.equal(keys, k_ref) and torch.equal(values, v_ref)
+    assert torch.equal(out, exact_kernels.attend(qr, [keys], [values], visible))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,3 +134,49 @@ def test_a_bf16_tree_row_is_the_ar_step_bit_for_bit(family):
     tree = target.forward(torch.tensor([tokens]), torch.tensor([positions]), visible, torch.tensor([slots]), prefilled())
     for i, step in enumerate(steps):
         assert torch.equal(tree.logits[0, 2 * i], step), (family, i)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_exact_fp32_forward_is_transformers(family):
+    """The batch-invariant path (rotary, arena writes and attention in one call) in fp32, where
+    nothing rounds an error away, against transformers' own forward. (These random models
+    attend mostly to each token itself, so the rotary is checked by the kernel test above.)"""
+    model = hf_model(family, seed=5)
+    tokens = torch.tensor([[random.Random(1).randrange(VOCAB) for _ in range(30)]])
+    with torch.no_grad():
+        ref = model(tokens).logits[0]
+    exact = make_exact(from_hf_model(model))
+    arena = exact.new_arena(1, 30)
+    pos = torch.arange(30)[None]
+    torch.testing.assert_close(exact.forward(tokens, pos, causal_visibility(pos, 30), pos, arena).logits[0], ref,
+                               atol=1e-4, rtol=0)
+
+
+def test_the_fused_residual_add_and_norm_rounds_as_torch_does():
+    x, y = torch.randn(7, 64).to(torch.bfloat16), torch.randn(7, 64).to(torch.bfloat16)
+    norm = RMSNorm(64, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64) + 0.5)
+    s, h = exact_kernels.add_rms_norm(x, y, norm.weight, 1e-5)
+    assert torch.equal(s, x + y)
+    torch.testing.assert_close(h, norm(x + y), atol=0, rtol=2 ** -7)  # at most one bf16 rounding apart
+    alone, h0 = exact_kernels.add_rms_norm(x, None, norm.weight, 1e-5)
+    assert torch.equal(alone, x) and torch.equal(h0[3], exact_kernels.add_rms_norm(x[3:4], None, norm.weight, 1e-5)[1][0])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_exact_bf16_forward_is_the_model(family):
+    """Same bits across calls is worth nothing if the numbers are wrong: the batch-invariant
+    bf16 forward against the fp32 transformers model, as close as bf16 gets (transformers' own
+    bf16 forward's distance is the yardstick)."""
+    model = hf_model(family, seed=5)
+    tokens = torch.tensor([[random.Random(1).randrange(VOCAB) for _ in range(30)]])
+    with torch.no_grad():
+        ref = model(tokens).logits[0]  # [T, V] fp32
+        yardstick = (copy.deepcopy(model).to(torch.bfloat16)(tokens).logits[0].float() - ref).abs().max()
+    exact = from_hf_model(copy.deepcopy(model).to(torch.bfloat16))
+    assert exact.exact
+    arena = exact.new_arena(1, 30)
+    pos = torch.arange(30)[None]
+    ours = (exact.forward(tokens, pos, causal_visibility(pos, 30), pos, arena).logits[0] - ref).abs().max()
+    assert ours <= 2 * yardstick, (family, float(ours), float(yardstick))

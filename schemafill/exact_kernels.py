@@ -139,45 +139,45 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     each token's key and value go in its batch row's arena row (``keys``, ``values``: per batch
     row, [Hkv, capacity, hd]); visible: [B, T, S] boolean. Returns [B, Hq, T, hd] as ``attend``."""
     lib = library()
-    fn = {torch.float32: lib.rope_attend_f32, torch.bfloat16: lib.rope_attend_bf16}.get(q.dtype) if lib else None
-    if fn is None:
+    if lib is None or q.dtype not in (torch.float32, torch.bfloat16):
         raise RuntimeError(f"no batch-invariant rotary attention for {q.dtype} on this host")
+    fn = lib.rope_attend_bf16 if q.dtype == torch.bfloat16 else lib.rope_attend_f32
     b, hq, t, hd = q.shape
     k0 = keys[0]
-    if not all(x.stride(-1) == 1 for x in (q, k, v, cos, sin)):
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope_attend needs the head dim contiguous")
     if visible.dtype != torch.bool or not visible.is_contiguous():
         visible = visible.bool().contiguous()
     if visible.shape[-1] > k0.shape[1]:
         raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {k0.shape[1]}")
-    slots = slots.to(torch.int64).contiguous()
+    if slots.dtype != torch.int64 or slots.stride(-1) != 1:
+        slots = slots.to(torch.int64).contiguous()
     rows = ctypes.c_int64 * b
-    qbuf = torch.empty(b, t, hq, hd, dtype=q.dtype)
-    out = torch.empty(b, t, hq, hd, dtype=q.dtype)
+    buf = torch.empty(2, b, t, hq, hd, dtype=q.dtype)  # the rotated queries, then the output
+    rotated, out = buf.data_ptr(), buf.data_ptr() + buf.stride(0) * buf.element_size()
     fn(b, t, hq, k0.shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
        k.data_ptr(), k.stride(0), k.stride(2), k.stride(1), v.data_ptr(), v.stride(0), v.stride(2), v.stride(1),
        cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(2), slots.data_ptr(), slots.stride(0),
        rows(*(x.data_ptr() for x in keys)), rows(*(x.data_ptr() for x in values)), k0.stride(0), k0.stride(1),
        visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1],
-       qbuf.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
-    return out.transpose(1, 2)
+       rotated, out, t * hq * hd, hq * hd, hd, hd ** -0.5)
+    return buf[1].transpose(1, 2)
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream ``s = x + y`` (``x`` alone when y is None) and its RMSNorm
     ``weight * norm(s)``, both bf16 rounded as torch's bf16 ops round them, in one call row by
-    row. x, y: [..., D] bf16 with the last dim contiguous; weight: [D] bf16. Returns (s, normed)."""
+    row. x, y: [..., D] bf16, contiguous; weight: [D] bf16. Returns (s, normed)."""
     lib = library()
     if lib is None:
         raise RuntimeError("the batch-invariant kernels are not available on this host")
+    if not x.is_contiguous() or y is not None and not y.is_contiguous():
+        raise ValueError("add_rms_norm takes contiguous rows")
     d = x.shape[-1]
     rows = x.numel() // d
-    x2 = x.reshape(rows, d)
-    y2 = None if y is None else y.reshape(rows, d)
-    s = torch.empty(rows, d, dtype=torch.bfloat16)
-    out = torch.empty(rows, d, dtype=torch.bfloat16)
-    lib.add_rms_norm_bf16(rows, d, x2.data_ptr(), x2.stride(0), None if y2 is None else y2.data_ptr(),
-                          0 if y2 is None else y2.stride(0), weight.data_ptr(), eps, s.data_ptr(), s.stride(0),
-                          out.data_ptr(), out.stride(0))
-    return s.view(x.shape), out.view(x.shape)
+    out = torch.empty((2, *x.shape), dtype=torch.bfloat16)  # the sum, then its norm
+    at = out.data_ptr()
+    lib.add_rms_norm_bf16(rows, d, x.data_ptr(), d, None if y is None else y.data_ptr(), d, weight.data_ptr(), eps,
+                          at, d, at + rows * d * out.element_size(), d)
+    return out.unbind(0)

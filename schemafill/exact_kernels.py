@@ -43,6 +43,7 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+@lru_cache(maxsize=4)
 def library_path(cc: str) -> Path:
     """Where this host's build of the kernel lives: named by everything its code depends on."""
     from schemafill.precision import cpu_model
@@ -90,6 +91,12 @@ def library() -> ctypes.CDLL | None:
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [i64, i, p, i64, p, i64, p, f, p, i64, p, i64]
     return lib
+
+
+def build_id() -> str:
+    """Which build of the kernels this host runs (what timings of them depend on)."""
+    cc = compiler()
+    return library_path(cc).stem if cc else "none"
 
 
 def available() -> bool:

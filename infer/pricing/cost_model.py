@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from schemafill import host_cache
+from schemafill import exact_kernels, host_cache
 from schemafill.timing import alternating_ms, median_ms
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -185,8 +185,10 @@ def isotonic(values: tuple[float, ...] | list[float]) -> list[float]:
 
 
 def products(target: torch.nn.Module) -> str:
-    """The target's product kernel plan in a few characters (``1:transposed,4:packed``)."""
-    return ",".join(f"{rows}:{kernel}" for rows, kernel in getattr(target, "products", ()))
+    """The target's kernels in a few characters: its product plan (``1:transposed,4:packed``),
+    and, when its forwards are batch-invariant, which build of those kernels (a new one times anew)."""
+    plan = ",".join(f"{rows}:{kernel}" for rows, kernel in getattr(target, "products", ()))
+    return f"{plan}|exact:{exact_kernels.build_id()}" if getattr(target, "exact", False) else plan
 
 
 def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:

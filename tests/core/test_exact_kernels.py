@@ -180,3 +180,13 @@ def test_the_exact_bf16_forward_is_the_model(family):
     pos = torch.arange(30)[None]
     ours = (exact.forward(tokens, pos, causal_visibility(pos, 30), pos, arena).logits[0] - ref).abs().max()
     assert ours <= 2 * yardstick, (family, float(ours), float(yardstick))
+
+
+def test_the_cost_curve_of_a_batch_invariant_target_is_its_own():
+    """A cached cost curve is keyed by the kernels it timed: the batch-invariant build is part of it."""
+    from infer.pricing.cost_model import products
+
+    model = hf_model("llama", seed=1)
+    plain = from_hf_model(model)
+    exact = make_exact(from_hf_model(model))
+    assert exact_kernels.build_id() in products(exact) and "exact" not in products(plain)

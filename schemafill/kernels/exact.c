@@ -6,9 +6,8 @@
  * verification gets the bits a one-row AR step at the same position gets, provided its
  * visible keys sit in the arena in position order (the decoders lay MAIN out so).
  *
- * How: query rows sharing a KV head are computed side by side in lanes (4, 8 or 16 of
- * them: the lane count changes the speed, never a lane's numbers), and every sum runs
- * along one lane in slot order —
+ * How: query rows sharing a KV head are computed side by side, one per lane, and every sum
+ * runs along one lane in slot order —
  *   score(r, s) = fma chain over d = 0 .. hd-1 (q pre-scaled),
  *   max over visible slots (exact whatever the order),
  *   p = exp(score - max), l = sum of p in slot order,
@@ -21,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define LANES 16  /* query rows side by side (a lone row leaves lanes idle: still faster than narrow vectors) */
 #define U 8    /* slots scored at once: independent fma chains */
 #define DV 64  /* value dimensions accumulated at once */
 
@@ -59,13 +59,13 @@ static inline float exp_neg(float x) {
     return x > -87.0f ? p * scale : 0.0f;
 }
 
-/* One block of up to L query rows of one KV head: qT [hd][L] (pre-scaled, lanes past the
- * block's rows zero), bias [reach][L] (0 visible, -inf not), P [reach][L] scratch, kbuf
- * [U][hd] scratch; writes o [hd][L] unnormalized and l [L]. */
+/* One block of up to L query rows (the first ``rows`` real) of one KV head: qT [hd][L]
+ * (pre-scaled, lanes past the block's rows zero), bias [reach][L] (0 visible, -inf not),
+ * P [reach][L] scratch, kbuf [U][hd] scratch; writes o [hd][L] unnormalized and l [L]. */
 #define DEFINE_BLOCK(NAME, L, T, LOAD)                                                           \
 static void NAME(int hd, int reach, const float *restrict qT, const float *restrict bias,       \
                  const T *restrict K, const T *restrict V, int64_t kss, float *restrict P,      \
-                 float *restrict kbuf, float *restrict o, float *restrict l) {                  \
+                 float *restrict kbuf, float *restrict o, float *restrict l, int rows) {        \
     float m[L];                                                                                  \
     for (int j = 0; j < L; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                              \
     for (int s0 = 0; s0 < reach; s0 += U) {                                                      \
@@ -103,7 +103,7 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
      * for the four), one fma chain over slots per (row, dimension) */                           \
     for (int d0 = 0; d0 < hd; d0 += DV) {                                                        \
         int dn = hd - d0 < DV ? hd - d0 : DV;                                                    \
-        for (int j0 = 0; j0 < L; j0 += 4) {                                                      \
+        for (int j0 = 0; j0 < rows; j0 += 4) {  /* fours holding a real row */                                                      \
             float acc[4][DV];                                                                    \
             for (int i = 0; i < 4; i++) for (int e = 0; e < DV; e++) acc[i][e] = 0.0f;           \
             for (int s = 0; s < reach; s++) {                                                    \
@@ -122,17 +122,15 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
     }                                                                                            \
 }
 
-#define DEFINE_ATTEND(NAME, T, LOAD, STORE, B4, B8, B16)                                            \
-DEFINE_BLOCK(B4, 4, T, LOAD)                                                                     \
-DEFINE_BLOCK(B8, 8, T, LOAD)                                                                     \
-DEFINE_BLOCK(B16, 16, T, LOAD)                                                                   \
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE, BLOCK)                                               \
+DEFINE_BLOCK(BLOCK, LANES, T, LOAD)                                                              \
 void NAME(int B, int Tq, int Hq, int Hkv, int hd,                                                \
           const T *q, int64_t qsb, int64_t qst, int64_t qsh,                                     \
           const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
           const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
           T *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                           \
     const int G = Hq / Hkv, R = G * Tq;                                                          \
-    const int L = R <= 4 ? 4 : R <= 8 ? 8 : 16, nrb = (R + L - 1) / L;                          \
+    const int L = LANES, nrb = (R + L - 1) / L;                          \
     const int64_t items = (int64_t)B * Hkv * nrb;                                                \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
     for (int64_t it = 0; it < items; it++) {                                                     \
@@ -155,9 +153,7 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
             for (int d = 0; d < hd; d++) qT[d * L + j] = j < rows ? LOAD(qr[d]) * scale : 0.0f;  \
             for (int s = 0; s < reach; s++) bias[s * L + j] = j < rows && mr[s] ? 0.0f : -INFINITY; \
         }                                                                                        \
-        if (L == 4) B4(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l);                           \
-        else if (L == 8) B8(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l);                      \
-        else B16(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l);                                 \
+        BLOCK(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l, rows);                              \
         for (int j = 0; j < rows; j++) {                                                         \
             int r = rb * L + j;                                                                  \
             T *od = out + b * osb + r / G * ost + (g * G + r % G) * osh;                         \
@@ -212,8 +208,8 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
 }
 
 #define SAME(x) (x)
-DEFINE_ATTEND(attend_f32, float, SAME, SAME, block4_f32, block8_f32, block16_f32)
-DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block4_bf16, block8_bf16, block16_bf16)
+DEFINE_ATTEND(attend_f32, float, SAME, SAME, block_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block_bf16)
 
 /* Residual add and RMSNorm of bf16 rows, as the bf16 torch ops round them: s = bf16(x + y)
  * (y may be NULL: s = x), then out = bf16(w * bf16(s * r)) with r = 1 / sqrt(mean(s²) + eps)

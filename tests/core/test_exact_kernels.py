@@ -66,10 +66,10 @@ def test_a_row_gets_the_same_bits_alone_and_among_many(dtype):
     q = torch.randn(1, HQ, 40, 64).to(dtype)
     visible = torch.rand(1, 40, 290) < 0.8
     visible[..., 0] = True
-    together = exact_kernels.attend(q, [k], [v], visible)  # rows side by side, sixteen lanes
+    together = exact_kernels.attend(q, [k], [v], visible)  # 120 rows per KV head: 8 blocks of 16 lanes
     for r in (0, 5, 39):
         reach = int(visible[0, r].nonzero().max()) + 1
-        alone = exact_kernels.attend(q[:, :, r:r + 1], [k], [v], visible[:, r:r + 1, :reach])  # four lanes, narrower
+        alone = exact_kernels.attend(q[:, :, r:r + 1], [k], [v], visible[:, r:r + 1, :reach])  # 3 rows: 1 block, narrower
         assert torch.equal(alone[:, :, 0], together[:, :, r])
     assert not torch.equal(together[:, :, 0], together[:, :, 1])
 

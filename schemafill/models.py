@@ -128,7 +128,7 @@ def decode_choice(model: ModelConfig, location: str, device: torch.device, verif
     if model.dtype == "auto" and device.type == "cpu":
         probed = decode_precision(device, load_config(location, model.revision))
         if verifies and probed.bf16:
-            if exact_possible():
+            if exact_possible(torch.bfloat16):
                 return probed.dtype, {**probed.summary(), "why": f"{probed.why}; batch-invariant forwards keep "
                                                                  f"verification equal to AR"}
             kept = dataclasses.replace(probed, bf16=False, why=f"fp32 for lossless verification (no batch-invariant "

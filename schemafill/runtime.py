@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -461,13 +462,26 @@ def tune(target: Target, cache_dir: Path | None = None) -> Target:
     if target.device.type != "cpu":
         return target
     target = tune_attention(tune_products(fuse(target), cache_dir=cache_dir))
-    return make_exact(target) if target.dtype == torch.bfloat16 and exact_possible() else target
+    return make_exact(target) if target.dtype == torch.bfloat16 and exact_possible(target.dtype) else target
 
 
-def exact_possible() -> bool:
-    """Whether this host can run batch-invariant forwards (``make_exact``): oneDNN's packed
-    products and the batch-invariant attention kernel (a C compiler)."""
-    return torch.backends.mkldnn.is_available() and exact_kernels.available()
+@lru_cache(maxsize=4)
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks ``dtype`` weights here (its bf16 packing needs AVX512 or AVX-NE-CONVERT;
+    ``ONEDNN_MAX_CPU_ISA`` may withhold them): tried on a small weight."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+def exact_possible(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this host can run batch-invariant ``dtype`` forwards (``make_exact``): oneDNN's
+    packed products in that dtype and the batch-invariant kernels (a C compiler)."""
+    return packs(dtype) and exact_kernels.available()
 
 
 def make_exact(target: Target) -> Target:
@@ -477,6 +491,8 @@ def make_exact(target: Target) -> Target:
     logits are then the same bits in a one-row AR step and in a tree verification, in bf16 as
     in fp32. Costs the plan's other kernels where they were faster (``Target.products`` says)."""
     linears = [m for m in target.modules() if isinstance(m, Linear)]
+    if not exact_possible(target.dtype):
+        raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (oneDNN packing, a C compiler)")
     if any(m.packed is None for m in linears) and not room_to_pack(
             sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory()):
         print("[runtime] no room for packed weights: forwards stay batch-variant (verify in fp32)")
@@ -587,7 +603,7 @@ def tune_products(target: Target, cache_dir: Path | None = None) -> Target:
     if target.device.type != "cpu":
         return target
     linears = [m for m in target.modules() if isinstance(m, Linear)]
-    packable = torch.backends.mkldnn.is_available() and target.dtype in (torch.float32, torch.bfloat16)
+    packable = packs(target.dtype)
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     if packable and not room_to_pack(weight_bytes, available_memory()):
         print(f"[runtime] {weight_bytes / 1e9:.1f} GB of weights: no room for their packed copies, "

@@ -71,7 +71,7 @@ def test_verifying_work_keeps_fp32_where_the_probe_prefers_bf16(tmp_path, monkey
     assert generates == torch.bfloat16 and why["bf16_ms"] == 7.8
     verifies, why = decode_choice(auto, str(tiny_target), cpu, verifies=True)
     assert why["bf16_ms"] == 7.8
-    if exact_possible():  # bf16 rows are the same bits in AR and in a verification here
+    if exact_possible(torch.bfloat16):  # bf16 rows are the same bits in AR and in a verification here
         assert verifies == torch.bfloat16 and "batch-invariant" in why["why"]
     else:
         assert verifies == torch.float32 and "lossless" in why["why"]

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,7 +76,9 @@ def library() -> ctypes.CDLL | None:
     try:
         path = library_path(cc)
         if not path.exists():
+            start = time.perf_counter()
             build(cc, path)
+            print(f"[runtime] built the batch-invariant kernels in {time.perf_counter() - start:.1f} s ({path})")
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         print(f"[runtime] batch-invariant attention unavailable ({err}); attention stays on SDPA")

@@ -101,6 +101,12 @@ class MLP(nn.Module):
         self.gate_up = Linear.fused([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        """``forward`` with gate/up fused and both products on the packed kernel, called directly."""
+        b, t, _ = x.shape
+        gate, up = self.gate_up.product(x.view(b * t, -1), "packed").chunk(2, dim=-1)
+        return self.down_proj.product(F.silu(gate) * up, "packed").view(b, t, -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)

@@ -185,6 +185,20 @@ class Attention(nn.Module):
         out = kv(layer, q, k, v, cos, sin, self.fold_groups)  # [B, Hq, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def packed_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: "ArenaCall | Packed"
+                       ) -> torch.Tensor:
+        """``forward`` for a batch-invariant target (fused Q/K/V, every product packed) with
+        none of the generic dispatch around its two products: the per-layer Python a one-row
+        step pays for is most of what it spends beside the weights."""
+        b, t, _ = x.shape
+        c, hd = self.c, self.c.head_dim
+        heads = self.qkv.product(x.view(b * t, -1), "packed").view(b, t, -1, hd).transpose(1, 2)
+        q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = kv(layer, q, k, v, cos, sin, False)  # [B, Hq, T, hd], its transpose contiguous
+        return self.o_proj.product(out.transpose(1, 2).reshape(b * t, -1), "packed").view(b, t, -1)
+
 
 @dataclass(frozen=True)
 class ArenaCall:
@@ -373,10 +387,10 @@ class Target(nn.Module):
             for i, layer in enumerate(layers):
                 if i in c.aux_layer_ids:
                     saved[i] = x
-                x, h = exact_kernels.add_rms_norm(x, layer.self_attn(h, cos, sin, i, kv),
+                x, h = exact_kernels.add_rms_norm(x, layer.self_attn.packed_forward(h, cos, sin, i, kv),
                                                   layer.post_attention_layernorm.weight, c.rms_norm_eps)
                 after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                x, h = exact_kernels.add_rms_norm(x, layer.mlp(h), after.weight, c.rms_norm_eps)
+                x, h = exact_kernels.add_rms_norm(x, layer.mlp.packed_forward(h), after.weight, c.rms_norm_eps)
             final = h if logits_at is None else h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
         else:
             for i, layer in enumerate(self.model.layers):
@@ -487,12 +501,14 @@ def exact_possible(dtype: torch.dtype = torch.bfloat16) -> bool:
 def make_exact(target: Target) -> Target:
     """Batch-invariant forwards: every product on the padded packed kernel, which gives a row
     the same numbers whatever the call's row count, and attention on the batch-invariant kernel
-    (``exact_kernels``); norms, rotary and the MLP's activation are row-wise already. A row's
-    logits are then the same bits in a one-row AR step and in a tree verification, in bf16 as
-    in fp32. Costs the plan's other kernels where they were faster (``Target.products`` says)."""
-    linears = [m for m in target.modules() if isinstance(m, Linear)]
+    (``exact_kernels``), with rotary and the KV writes, and each residual add with its norm;
+    the MLP's activation is row-wise already. A row's logits are then the same bits in a
+    one-row AR step and in a tree verification, in bf16 as in fp32. Costs the plan's other
+    kernels where they were faster (``Target.products`` says). Q/K/V and gate/up are fused first:
+    the layers call those products directly."""
     if not exact_possible(target.dtype):
         raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (oneDNN packing, a C compiler)")
+    linears = [m for m in fuse(target).modules() if isinstance(m, Linear)]
     if any(m.packed is None for m in linears) and not room_to_pack(
             sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory()):
         print("[runtime] no room for packed weights: forwards stay batch-variant (verify in fp32)")

@@ -299,8 +299,12 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
         progress = json.loads((resume / "progress.json").read_text())
         micro_done = progress["micro_steps"]
         budget.spent = progress.get("seconds", 0.0)
+        # the precision the first steps took, not this launch's probe (another thread count or a
+        # busy host may time it the other way): one run, one precision
+        autocast = progress.get("autocast", autocast)
         if accelerator.is_main_process:
-            print(f"[head] resuming from {resume} (optimizer step {done_steps})")
+            print(f"[head] resuming from {resume} (optimizer step {done_steps}, "
+                  f"{'bf16 autocast' if autocast else 'fp32'} as it was trained)")
 
     t0 = time.perf_counter()
     budget.start(accelerator)
@@ -338,7 +342,7 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
                                  **{f"head/acc_{k}": a for k, a in enumerate(acc)},
                                  **{f"head/loss_{k}": v for k, v in enumerate(res.step_loss)}})
                 if hc.save_every and done_steps % hc.save_every == 0:
-                    save_checkpoint(accelerator, ckpt_root / f"step_{done_steps}", micro, budget.seconds)
+                    save_checkpoint(accelerator, ckpt_root / f"step_{done_steps}", micro, budget.seconds, autocast)
             bar.update(1)
             if budget.over:
                 bar.write(f"[head] time budget of {hc.max_minutes} min reached after {done_steps} of "
@@ -373,12 +377,15 @@ def build_head(cfg: PipelineConfig, tracker: Any = None) -> dict:
     return {**metrics, "cached": False}
 
 
-def save_checkpoint(accelerator: Any, folder: Path, micro_steps: int, seconds: float = 0.0, keep: int = 2) -> None:
-    """Save a resumable state; ``progress.json`` marks it complete once every rank has written."""
+def save_checkpoint(accelerator: Any, folder: Path, micro_steps: int, seconds: float = 0.0, autocast: bool = False,
+                    keep: int = 2) -> None:
+    """Save a resumable state; ``progress.json`` marks it complete once every rank has written, and
+    says in which precision it was trained (a resumed run keeps it)."""
     accelerator.save_state(str(folder))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        atomic.write_json(folder / "progress.json", {"micro_steps": micro_steps, "seconds": round(seconds, 3)})
+        atomic.write_json(folder / "progress.json", {"micro_steps": micro_steps, "seconds": round(seconds, 3),
+                                                     "autocast": autocast})
         older = sorted(folder.parent.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]
         for path in older:
             shutil.rmtree(path, ignore_errors=True)

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from data_gen.generate import build_continuations
 from schemafill.config import to_dataclass
 from schemafill.drafter import load_head
+from schemafill.precision import Precision
 from schemafill.tracking import NullTracker
 from tests.conftest import ROOT, accelerate_launch, compose
 from train.eagle3 import Budget, build_head, heads_dir
@@ -107,7 +108,12 @@ def test_features_captured_by_continuations_feed_the_head(tiny_continuations, ti
     assert metrics["optimizer_steps"] > 0 and metrics["heldout_loss"] > 0
 
 
-def test_resume_after_kill_matches_an_uninterrupted_run(tiny_continuations, tiny_target, tmp_path):
+def test_resume_after_kill_matches_an_uninterrupted_run(tiny_continuations, tiny_target, tmp_path, monkeypatch):
+    """Killed after a checkpoint, resumed, the head equals an uninterrupted run's — in the precision
+    its first steps took, even where the resuming launch's probe chooses the other one (another
+    thread count, a busy host)."""
+    import train.eagle3 as eagle3
+
     extra = ("train.head.save_every=2", "train.head.epochs=3", "train.head.feature_cache=true")
     art = clone(tiny_continuations, tmp_path / "killed")
     args = args_for(art, tiny_target, *extra)
@@ -120,11 +126,19 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tiny_continuations, tiny
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert list(ckpts.glob("*/step_*/progress.json")), "no checkpoint was written before the kill"
+    saved = sorted(ckpts.glob("*/step_*/progress.json"))
+    assert saved, "no checkpoint was written before the kill"
     assert not (art / "heads" / "tiny" / "config.json").exists()
-    resumed = build_head(to_dataclass(compose(args)))
-    assert resumed["resumed_from_step"] >= 2
+    trained_in = json.loads(saved[-1].read_text())["autocast"]  # what the killed launch's probe chose
 
+    def probe_says(bf16: bool) -> None:
+        monkeypatch.setattr(eagle3, "train_precision", lambda *a, **k: Precision(bf16, "the test's probe"))
+
+    probe_says(not trained_in)
+    resumed = build_head(to_dataclass(compose(args)))
+    assert resumed["resumed_from_step"] >= 2 and resumed["precision"]["autocast"] == trained_in
+
+    probe_says(trained_in)
     fresh = clone(tiny_continuations, tmp_path / "fresh")
     whole = build_head(to_dataclass(compose(args_for(fresh, tiny_target, *extra))))
     assert whole["resumed_from_step"] == 0 and whole["optimizer_steps"] == resumed["optimizer_steps"]

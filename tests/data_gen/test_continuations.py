@@ -19,9 +19,10 @@ from schemafill.config import to_dataclass
 from tests.conftest import ROOT, accelerate_launch, compose
 
 
-def overrides(artifacts: Path, tiny: Path, *extra: str) -> list[str]:
+def overrides(artifacts: Path, tiny: Path, *extra: str, tokens: int = 12) -> list[str]:
     return [f"paths.artifacts={artifacts}", "logger=none", "model.finetune=false", f"model.source={tiny}",
-            "model.name=tiny", "model.aux_layer_ids=[1,2,3]", "decode.max_new_tokens=12", "data.continuations.max_requests=16",
+            "model.name=tiny", "model.aux_layer_ids=[1,2,3]", f"decode.max_new_tokens={tokens}",
+            "data.continuations.max_requests=16",
             "data.continuations.shard_size=4", "data.continuations.batch_size=4", *extra]
 
 
@@ -55,14 +56,16 @@ def test_rows_masks_and_stats(builtin_artifacts, tiny_target, tmp_path):
 
 def test_resume_after_kill_loses_and_duplicates_nothing(builtin_artifacts, tiny_target, tmp_path):
     copy_requests(builtin_artifacts, tmp_path)
-    args = overrides(tmp_path, tiny_target, "data.continuations.max_prompt_tokens=900")
+    # long enough answers that a shard's wave takes longer than a poll: the tiny target decodes
+    # a 12-token wave of four requests faster than the loop below looks
+    args = overrides(tmp_path, tiny_target, "data.continuations.max_prompt_tokens=900", tokens=64)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "data_gen/run.py", "stages=[continuations]", *args], cwd=ROOT,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     shards = tmp_path / "continuations" / ".tiny.shards"
     deadline = time.time() + 240
     while time.time() < deadline and not list(shards.glob("*/shard_*.jsonl")):
-        time.sleep(0.2)
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)  # killed mid-run, at whatever point it had reached
     proc.wait()
     finished = len(list(shards.glob("*/shard_*.jsonl")))
@@ -78,7 +81,7 @@ def test_resume_after_kill_loses_and_duplicates_nothing(builtin_artifacts, tiny_
     # the same rows as an uninterrupted run
     fresh = tmp_path / "fresh"
     copy_requests(builtin_artifacts, fresh)
-    cfg2 = to_dataclass(compose(overrides(fresh, tiny_target, "data.continuations.max_prompt_tokens=900")))
+    cfg2 = to_dataclass(compose(overrides(fresh, tiny_target, "data.continuations.max_prompt_tokens=900", tokens=64)))
     build_continuations(cfg2)
     assert load_rows(cfg2) == rows
 

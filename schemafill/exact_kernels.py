@@ -106,6 +106,28 @@ def available() -> bool:
     return library() is not None
 
 
+def loaded() -> ctypes.CDLL:
+    """The library, or a clear error where this host has none."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the batch-invariant kernels are not available on this host (no C compiler?)")
+    return lib
+
+
+def arena_args(keys: list[torch.Tensor], values: list[torch.Tensor], visible: torch.Tensor) -> tuple:
+    """What the attention kernels take of the arena and the mask: per batch row where its keys and
+    values start, the arena's KV-head and slot strides, and the visibility as contiguous
+    booleans with its strides and width (checked against the arena's capacity)."""
+    k0 = keys[0]
+    if visible.dtype != torch.bool or not visible.is_contiguous():
+        visible = visible.bool().contiguous()
+    if visible.shape[-1] > k0.shape[1]:
+        raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {k0.shape[1]}")
+    rows = ctypes.c_int64 * len(keys)
+    return (rows(*(k.data_ptr() for k in keys)), rows(*(v.data_ptr() for v in values)), k0.stride(0), k0.stride(1),
+            visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1]), visible
+
+
 def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
            visible: torch.Tensor) -> torch.Tensor:
     """Batch-invariant attention with grouped KV heads.
@@ -115,25 +137,16 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
     visible: [B, T, S] boolean. Returns [B, Hq, T, hd] in q's dtype, a view whose
     ``transpose(1, 2)`` is contiguous ([B, T, Hq, hd]). Every row must see at least one slot.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the batch-invariant attention kernel is not available on this host")
+    lib = loaded()
     fn = {torch.float32: lib.attend_f32, torch.bfloat16: lib.attend_bf16}.get(q.dtype)
     if fn is None:
         raise TypeError(f"batch-invariant attention takes fp32 or bf16, not {q.dtype}")
     b, hq, t, hd = q.shape
-    k0 = keys[0]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if visible.dtype != torch.bool or not visible.is_contiguous():
-        visible = visible.bool().contiguous()
-    if visible.shape[-1] > k0.shape[1]:
-        raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {k0.shape[1]}")
-    rows = ctypes.c_int64 * b  # per batch row: where its keys and values start
+    args, visible = arena_args(keys, values, visible)  # the checked mask stays alive through the call
     out = torch.empty(b, t, hq, hd, dtype=q.dtype)
-    fn(b, t, hq, k0.shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
-       rows(*(k.data_ptr() for k in keys)), rows(*(v.data_ptr() for v in values)), k0.stride(0), k0.stride(1),
-       visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1],
+    fn(b, t, hq, keys[0].shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), *args,
        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
     return out.transpose(1, 2)
 
@@ -148,28 +161,21 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     [B, 1, T, hd], sin with its first half negated (``layers.signed_sin``); slots: [B, T], where
     each token's key and value go in its batch row's arena row (``keys``, ``values``: per batch
     row, [Hkv, capacity, hd]); visible: [B, T, S] boolean. Returns [B, Hq, T, hd] as ``attend``."""
-    lib = library()
-    if lib is None or q.dtype not in (torch.float32, torch.bfloat16):
-        raise RuntimeError(f"no batch-invariant rotary attention for {q.dtype} on this host")
-    fn = lib.rope_attend_bf16 if q.dtype == torch.bfloat16 else lib.rope_attend_f32
+    lib = loaded()
+    fn = {torch.float32: lib.rope_attend_f32, torch.bfloat16: lib.rope_attend_bf16}.get(q.dtype)
+    if fn is None:
+        raise TypeError(f"batch-invariant attention takes fp32 or bf16, not {q.dtype}")
     b, hq, t, hd = q.shape
-    k0 = keys[0]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope_attend needs the head dim contiguous")
-    if visible.dtype != torch.bool or not visible.is_contiguous():
-        visible = visible.bool().contiguous()
-    if visible.shape[-1] > k0.shape[1]:
-        raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {k0.shape[1]}")
     if slots.dtype != torch.int64 or slots.stride(-1) != 1:
         slots = slots.to(torch.int64).contiguous()
-    rows = ctypes.c_int64 * b
+    args, visible = arena_args(keys, values, visible)  # the checked mask stays alive through the call
     buf = torch.empty(2, b, t, hq, hd, dtype=q.dtype)  # the rotated queries, then the output
     rotated, out = buf.data_ptr(), buf.data_ptr() + buf.stride(0) * buf.element_size()
-    fn(b, t, hq, k0.shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
+    fn(b, t, hq, keys[0].shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
        k.data_ptr(), k.stride(0), k.stride(2), k.stride(1), v.data_ptr(), v.stride(0), v.stride(2), v.stride(1),
-       cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(2), slots.data_ptr(), slots.stride(0),
-       rows(*(x.data_ptr() for x in keys)), rows(*(x.data_ptr() for x in values)), k0.stride(0), k0.stride(1),
-       visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1],
+       cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(2), slots.data_ptr(), slots.stride(0), *args,
        rotated, out, t * hq * hd, hq * hd, hd, hd ** -0.5)
     return buf[1].transpose(1, 2)
 
@@ -179,9 +185,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     """The residual stream ``s = x + y`` (``x`` alone when y is None) and its RMSNorm
     ``weight * norm(s)``, both bf16 rounded as torch's bf16 ops round them, in one call row by
     row. x, y: [..., D] bf16, contiguous; weight: [D] bf16. Returns (s, normed)."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the batch-invariant kernels are not available on this host")
+    lib = loaded()
     if not x.is_contiguous() or y is not None and not y.is_contiguous():
         raise ValueError("add_rms_norm takes contiguous rows")
     d = x.shape[-1]

@@ -470,13 +470,17 @@ TRANSPOSED_ROWS = 16  # past this many rows the transposed product is the plain 
 
 
 def tune(target: Target, cache_dir: Path | None = None) -> Target:
-    """The CPU kernel choices of a freshly loaded target, each from a timed probe, after its
-    Q/K/V and gate/up projections become one product each (fewer, larger calls). A GPU keeps
-    its own kernels and the separate projections (fused ones are copies beside a shared model's)."""
+    """The CPU kernels of a freshly loaded target, after its Q/K/V and gate/up projections
+    become one product each (fewer, larger calls): a bf16 target the batch-invariant ones where
+    the host has them (``make_exact``: nothing to choose, so no probe), any other the fastest of
+    each by a timed probe. A GPU keeps its own kernels and the separate projections (fused ones
+    are copies beside a shared model's)."""
     if target.device.type != "cpu":
         return target
-    target = tune_attention(tune_products(fuse(target), cache_dir=cache_dir))
-    return make_exact(target) if target.dtype == torch.bfloat16 and exact_possible(target.dtype) else target
+    fuse(target)
+    if target.dtype == torch.bfloat16 and exact_possible(target.dtype) and make_exact(target).exact:
+        return target
+    return tune_attention(tune_products(target, cache_dir=cache_dir))
 
 
 @lru_cache(maxsize=4)
@@ -492,7 +496,7 @@ def packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def exact_possible(dtype: torch.dtype = torch.bfloat16) -> bool:
+def exact_possible(dtype: torch.dtype) -> bool:
     """Whether this host can run batch-invariant ``dtype`` forwards (``make_exact``): oneDNN's
     packed products in that dtype and the batch-invariant kernels (a C compiler)."""
     return packs(dtype) and exact_kernels.available()
@@ -504,8 +508,8 @@ def make_exact(target: Target) -> Target:
     (``exact_kernels``), with rotary and the KV writes, and each residual add with its norm;
     the MLP's activation is row-wise already. A row's logits are then the same bits in a
     one-row AR step and in a tree verification, in bf16 as in fp32. Costs the plan's other
-    kernels where they were faster (``Target.products`` says). Q/K/V and gate/up are fused first:
-    the layers call those products directly."""
+    kernels where they were faster. Q/K/V and gate/up are fused first: the layers call those
+    products directly. Without room for the packed copies the target is left as it was (not exact)."""
     if not exact_possible(target.dtype):
         raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (oneDNN packing, a C compiler)")
     linears = [m for m in fuse(target).modules() if isinstance(m, Linear)]

@@ -1,12 +1,13 @@
-"""Batch-invariant kernels on a CPU — attention, and the residual add with RMSNorm in bf16 —
-from ``kernels/exact.c``, built for this host with the system's C compiler and loaded through
-ctypes.
+"""Batch-invariant kernels on a CPU — attention, the residual add with RMSNorm in bf16, and
+bf16 products — from ``kernels/exact.c``, built for this host with the system's C compiler and
+loaded through ctypes.
 
 A query row gets the same bits from it whatever else its call holds (how many rows, which
 slots around its own are masked), so a verification row equals the one-row AR step at the
 same position bit for bit whenever the row's visible keys sit in slot order by position —
 as MAIN's do. With products that are row-invariant too (``layers.Linear``'s padded packed
-kernel), a whole forward is: the decoders may then verify in bf16 and still give AR's tokens.
+kernel, or ``product`` here), a whole forward is: the decoders may then verify in bf16 and
+still give AR's tokens.
 
 The library is compiled once per host (its ISA as torch sees it, the compiler, the source)
 under ``$XDG_CACHE_HOME/schemafill/kernels``; without a compiler or OpenMP the runtime says
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -93,6 +95,10 @@ def library() -> ctypes.CDLL | None:
                        p, p, i64, i64, p, i64, i64, i, p, p, i64, i64, i64, f]
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [i64, i, p, i64, p, i64, p, f, p, i64, p, i64]
+    lib.product_tiles.restype, lib.product_tiles.argtypes = i, []
+    if lib.product_tiles():
+        lib.pack_bf16.restype, lib.pack_bf16.argtypes = None, [i64, i64, p, p]
+        lib.product_bf16.restype, lib.product_bf16.argtypes = None, [i64, i64, i64, p, i64, p, p, p, i64]
     return lib
 
 
@@ -104,6 +110,12 @@ def build_id() -> str:
 
 def available() -> bool:
     return library() is not None
+
+
+def products_available() -> bool:
+    """Whether this host's build has the bf16 product (it needs 512-bit vectors)."""
+    lib = library()
+    return lib is not None and lib.product_tiles() > 0
 
 
 def loaded() -> ctypes.CDLL:
@@ -195,3 +207,48 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     lib.add_rms_norm_bf16(rows, d, x.data_ptr(), d, None if y is None else y.data_ptr(), d, weight.data_ptr(), eps,
                           at, d, at + rows * d * out.element_size(), d)
     return out.unbind(0)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A bf16 weight [N, K] in ``product``'s blocked layout, with its bias as fp32 (or None)."""
+
+    weight: torch.Tensor  # [groups · COLS · K] bf16
+    bias: torch.Tensor | None  # [groups · COLS] fp32, zero past N
+    out_features: int
+    in_features: int
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
+    """``weight`` [N, K] (bf16, K even) and its bias laid out for ``product``: a copy as large
+    as the weight, padded to whole groups of columns."""
+    lib = loaded()
+    if not lib.product_tiles():
+        raise RuntimeError("this host's build of the kernels has no bf16 product (it needs 512-bit vectors)")
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or k % 2:
+        raise ValueError(f"the bf16 product takes bf16 weights with an even input width, not {weight.dtype} [{n}, {k}]")
+    cols = 16 * lib.product_tiles()
+    groups = -(-n // cols)
+    weight = weight.detach().contiguous()
+    blocked = torch.empty(groups * cols * k, dtype=torch.bfloat16)
+    lib.pack_bf16(n, k, weight.data_ptr(), blocked.data_ptr())
+    padded = None
+    if bias is not None:
+        padded = torch.zeros(groups * cols, dtype=torch.float32)
+        padded[:n] = bias.detach().float()
+    return Packed(blocked, padded, n, k)
+
+
+def product(x: torch.Tensor, w: Packed) -> torch.Tensor:  # [M, K] -> [M, N]
+    """``x @ Wᵀ + bias`` in bf16 with fp32 accumulation, every row's numbers independent of the
+    others' (x: bf16 rows, the last dim contiguous)."""
+    if x.dtype != torch.bfloat16 or x.shape[-1] != w.in_features:
+        raise ValueError(f"the bf16 product takes bf16 rows of {w.in_features}, not {x.dtype} {list(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.out_features, dtype=torch.bfloat16)
+    library().product_bf16(m, w.out_features, w.in_features, x.data_ptr(), x.stride(0), w.weight.data_ptr(),
+                           None if w.bias is None else w.bias.data_ptr(), y.data_ptr(), w.out_features)
+    return y

@@ -47,6 +47,9 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.plan: tuple[tuple[int, str], ...] = ()  # (most rows, kernel) ascending; past the last: its kernel
         self.packed: torch.Tensor | None = None  # oneDNN's layout of ``weight`` (not a parameter)
+        # ``weight`` laid out for the runtime's own bf16 product (``runtime.make_exact``), which
+        # then calls it in place of ``product``
+        self.blocked: object | None = None
 
     @classmethod
     def fused(cls, parts: list["Linear"]) -> "Linear":
@@ -101,12 +104,6 @@ class MLP(nn.Module):
         """Gate and up as one product (``gate_up``); the two projections are dropped."""
         self.gate_up = Linear.fused([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
-
-    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
-        """``forward`` with gate/up fused and both products on the packed kernel, called directly."""
-        b, t, _ = x.shape
-        gate, up = self.gate_up.product(x.view(b * t, -1), "packed").chunk(2, dim=-1)
-        return self.down_proj.product(F.silu(gate) * up, "packed").view(b, t, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from schemafill import exact_kernels, host_cache
@@ -185,19 +186,34 @@ class Attention(nn.Module):
         out = kv(layer, q, k, v, cos, sin, self.fold_groups)  # [B, Hq, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def packed_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: "ArenaCall | Packed"
-                       ) -> torch.Tensor:
-        """``forward`` for a batch-invariant target (fused Q/K/V, every product packed) with
-        none of the generic dispatch around its two products: the per-layer Python a one-row
-        step pays for is most of what it spends beside the weights."""
+    def exact_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, kv: "ArenaCall | Packed"
+                      ) -> torch.Tensor:
+        """``forward`` for a batch-invariant bf16 target (``make_exact``: fused Q/K/V, row-invariant
+        products) with none of the generic dispatch around its two products: the per-layer
+        Python a one-row step pays for is most of what it spends beside the weights."""
         b, t, _ = x.shape
         c, hd = self.c, self.c.head_dim
-        heads = self.qkv.product(x.view(b * t, -1), "packed").view(b, t, -1, hd).transpose(1, 2)
+        heads = exact_product(self.qkv, x.view(b * t, -1)).view(b, t, -1, hd).transpose(1, 2)
         q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = kv(layer, q, k, v, cos, sin, False)  # [B, Hq, T, hd], its transpose contiguous
-        return self.o_proj.product(out.transpose(1, 2).reshape(b * t, -1), "packed").view(b, t, -1)
+        return exact_product(self.o_proj, out.transpose(1, 2).reshape(b * t, -1)).view(b, t, -1)
+
+
+def exact_product(linear: Linear, x: torch.Tensor) -> torch.Tensor:  # [N, In] -> [N, Out]
+    """A bf16 product that gives a row the same bits whatever the call's row count: the
+    batch-invariant kernels' own where ``make_exact`` laid the weight out for it
+    (``Linear.blocked``), else oneDNN's padded packed one."""
+    blocked = linear.blocked
+    return linear.product(x, "packed") if blocked is None else exact_kernels.product(x, blocked)
+
+
+def exact_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+    """``MLP.forward`` for a batch-invariant bf16 target (gate/up fused, row-invariant products)."""
+    b, t, _ = x.shape
+    gate, up = exact_product(mlp.gate_up, x.view(b * t, -1)).chunk(2, dim=-1)
+    return exact_product(mlp.down_proj, F.silu(gate) * up).view(b, t, -1)
 
 
 @dataclass(frozen=True)
@@ -387,11 +403,12 @@ class Target(nn.Module):
             for i, layer in enumerate(layers):
                 if i in c.aux_layer_ids:
                     saved[i] = x
-                x, h = exact_kernels.add_rms_norm(x, layer.self_attn.packed_forward(h, cos, sin, i, kv),
+                x, h = exact_kernels.add_rms_norm(x, layer.self_attn.exact_forward(h, cos, sin, i, kv),
                                                   layer.post_attention_layernorm.weight, c.rms_norm_eps)
                 after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                x, h = exact_kernels.add_rms_norm(x, layer.mlp.packed_forward(h), after.weight, c.rms_norm_eps)
+                x, h = exact_kernels.add_rms_norm(x, exact_mlp(layer.mlp, h), after.weight, c.rms_norm_eps)
             final = h if logits_at is None else h.gather(1, logits_at[..., None].expand(-1, -1, h.shape[-1]))
+            logits = exact_product(self.lm_head, final.reshape(-1, final.shape[-1])).view(*final.shape[:2], -1)
         else:
             for i, layer in enumerate(self.model.layers):
                 if i in c.aux_layer_ids:
@@ -401,8 +418,9 @@ class Target(nn.Module):
             if logits_at is not None:
                 x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, H]
             final = self.model.norm(x)
+            logits = self.lm_head(final)
         aux = torch.cat([saved[i] for i in c.aux_layer_ids], dim=-1)
-        return Forward(logits=self.lm_head(final).float(), aux=aux, final=final)
+        return Forward(logits=logits.float(), aux=aux, final=final)
 
     def block_overhead(self) -> int:
         """One more attention call's cost on a CPU in (row, slot) pairs of attention work."""
@@ -497,31 +515,41 @@ def packs(dtype: torch.dtype) -> bool:
 
 
 def exact_possible(dtype: torch.dtype) -> bool:
-    """Whether this host can run batch-invariant ``dtype`` forwards (``make_exact``): oneDNN's
-    packed products in that dtype and the batch-invariant kernels (a C compiler)."""
-    return packs(dtype) and exact_kernels.available()
+    """Whether this host can run batch-invariant ``dtype`` forwards (``make_exact``): the
+    batch-invariant kernels (a C compiler), with their own bf16 products (512-bit vectors) or
+    oneDNN's packed ones in that dtype."""
+    if not exact_kernels.available():
+        return False
+    return dtype == torch.bfloat16 and exact_kernels.products_available() or packs(dtype)
 
 
 def make_exact(target: Target) -> Target:
-    """Batch-invariant forwards: every product on the padded packed kernel, which gives a row
-    the same numbers whatever the call's row count, and attention on the batch-invariant kernel
+    """Batch-invariant forwards: every product row-invariant — in bf16 the batch-invariant
+    kernels' own over a blocked copy of the weight (``exact_kernels.product``) where the host
+    has it, else oneDNN's padded packed kernel — attention on the batch-invariant kernel
     (``exact_kernels``), with rotary and the KV writes, and each residual add with its norm;
     the MLP's activation is row-wise already. A row's logits are then the same bits in a
     one-row AR step and in a tree verification, in bf16 as in fp32. Costs the plan's other
     kernels where they were faster. Q/K/V and gate/up are fused first: the layers call those
-    products directly. Without room for the packed copies the target is left as it was (not exact)."""
+    products directly. Without room for the weights' copies the target is left as it was (not exact)."""
     if not exact_possible(target.dtype):
         raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (oneDNN packing, a C compiler)")
     linears = [m for m in fuse(target).modules() if isinstance(m, Linear)]
-    if any(m.packed is None for m in linears) and not room_to_pack(
+    blocked = target.dtype == torch.bfloat16 and exact_kernels.products_available() and all(
+        m.in_features % 2 == 0 for m in linears)
+    if all(m.packed is None and m.blocked is None for m in linears) and not room_to_pack(
             sum(m.weight.numel() * m.weight.element_size() for m in linears), available_memory()):
         print("[runtime] no room for packed weights: forwards stay batch-variant (verify in fp32)")
         return target
+    kernel = "blocked" if blocked else "packed"
     for m in linears:
-        if m.packed is None:
-            m.pack()
-        m.plan = ((PROBE_ROWS[-1], "packed"),)
-    target.products = ((PROBE_ROWS[-1], "packed"),)
+        if blocked:
+            m.blocked, m.packed, m.plan = m.blocked or exact_kernels.pack(m.weight, m.bias), None, ()
+        else:
+            if m.packed is None:
+                m.pack()
+            m.plan = ((PROBE_ROWS[-1], "packed"),)
+    target.products = ((PROBE_ROWS[-1], kernel),)
     target.exact = True
     return target
 

@@ -1,4 +1,7 @@
-/* Batch-invariant attention over a KV arena.
+/* Batch-invariant kernels: attention over a KV arena, the residual add with RMSNorm, and the
+ * projections' products (bf16).
+ *
+ * Attention:
  *
  * Every number a query row gets is computed by the same sequence of floating-point
  * operations whatever else is in the call: how many rows, which lane a row sits in,
@@ -16,11 +19,15 @@
  * it does, change nothing. Accumulation is fp32; keys and values are fp32 or bf16.
  */
 #include <math.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16  /* query rows side by side (a lone row leaves lanes idle: still faster than narrow vectors) */
+#define LANES 16  /* query rows side by side */
+#define NARROW_LANES 4  /* where a KV head has this few query rows (a one-token step): fewer idle lanes */
 #define U 8    /* slots scored at once: independent fma chains */
 #define DV 64  /* value dimensions accumulated at once */
 
@@ -122,15 +129,16 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
     }                                                                                            \
 }
 
-#define DEFINE_ATTEND(NAME, T, LOAD, STORE, BLOCK)                                               \
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE, BLOCK, NARROW)                                       \
 DEFINE_BLOCK(BLOCK, LANES, T, LOAD)                                                              \
+DEFINE_BLOCK(NARROW, NARROW_LANES, T, LOAD)                                                      \
 void NAME(int B, int Tq, int Hq, int Hkv, int hd,                                                \
           const T *q, int64_t qsb, int64_t qst, int64_t qsh,                                     \
           const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
           const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
           T *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                           \
     const int G = Hq / Hkv, R = G * Tq;                                                          \
-    const int L = LANES, nrb = (R + L - 1) / L;                          \
+    const int L = R <= NARROW_LANES ? NARROW_LANES : LANES, nrb = (R + L - 1) / L;               \
     const int64_t items = (int64_t)B * Hkv * nrb;                                                \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
     for (int64_t it = 0; it < items; it++) {                                                     \
@@ -153,7 +161,7 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
             for (int d = 0; d < hd; d++) qT[d * L + j] = j < rows ? LOAD(qr[d]) * scale : 0.0f;  \
             for (int s = 0; s < reach; s++) bias[s * L + j] = j < rows && mr[s] ? 0.0f : -INFINITY; \
         }                                                                                        \
-        BLOCK(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l, rows);                              \
+        (L == LANES ? BLOCK : NARROW)(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l, rows);       \
         for (int j = 0; j < rows; j++) {                                                         \
             int r = rb * L + j;                                                                  \
             T *od = out + b * osb + r / G * ost + (g * G + r % G) * osh;                         \
@@ -208,8 +216,8 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
 }
 
 #define SAME(x) (x)
-DEFINE_ATTEND(attend_f32, float, SAME, SAME, block_f32)
-DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block_bf16)
+DEFINE_ATTEND(attend_f32, float, SAME, SAME, block_f32, narrow_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block_bf16, narrow_bf16)
 
 /* Residual add and RMSNorm of bf16 rows, as the bf16 torch ops round them: s = bf16(x + y)
  * (y may be NULL: s = x), then out = bf16(w * bf16(s * r)) with r = 1 / sqrt(mean(s²) + eps)
@@ -237,3 +245,114 @@ void add_rms_norm_bf16(int64_t rows, int dim, const uint16_t *x, int64_t xs, con
 
 DEFINE_ROPE_ATTEND(rope_attend_f32, attend_f32, float, SAME, SAME)
 DEFINE_ROPE_ATTEND(rope_attend_bf16, attend_bf16, uint16_t, from_bf16, to_bf16)
+
+/* Products y = x Wᵀ + bias of bf16 rows against bf16 weights, fp32 accumulation: every output
+ * element is one fp32 accumulator walked over k = 0, 2, 4, ... in order (each step adds the
+ * pair k, k+1), whatever the call's row count or how rows and columns are tiled, so a row gets
+ * the same bits alone or among many. One pass streams the weights once for up to ROWS rows.
+ *
+ * Layout (``pack_bf16``): the N outputs in groups of COLS = TILES·16 (the last padded with
+ * zeros); per group, per pair p of inputs, TILES vectors of 16 outputs × (k = 2p, 2p + 1),
+ * interleaved as the bf16 dot-product instruction reads them — each group one contiguous run
+ * of K·COLS weights. Built only where 512-bit vectors are (``product_tiles`` says 0 elsewhere). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TILES 3  /* 48 outputs a group: the projections of hidden sizes 576, 960, 3072 split evenly */
+#define ROWS 8   /* rows a pass: ROWS·TILES accumulators + TILES weights + 1 broadcast of 32 registers */
+#define CHUNK 64 /* rows whose inputs stay in cache while every group streams past them */
+
+int product_tiles(void) { return TILES; }
+
+void pack_bf16(int64_t N, int64_t K, const uint16_t *W, uint16_t *P) {
+    const int64_t groups = (N + 16 * TILES - 1) / (16 * TILES), pairs = K / 2;
+    #pragma omp parallel for
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int t = 0; t < TILES; t++)
+                for (int o = 0; o < 16; o++) {
+                    int64_t n = (g * TILES + t) * 16 + o;
+                    uint16_t *to = P + ((g * pairs + p) * TILES + t) * 32 + 2 * o;
+                    to[0] = n < N ? W[n * K + 2 * p] : 0;
+                    to[1] = n < N ? W[n * K + 2 * p + 1] : 0;
+                }
+}
+
+/* acc + w[2i]·x[0] + w[2i+1]·x[1] per lane i */
+static inline __m512 dot2(__m512 acc, __m512i w, __m512i x) {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+#else  /* no bf16 dot: the two products as fp32 fmas, high element first as the instruction adds them */
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high)),
+                          _mm512_castsi512_ps(_mm512_and_si512(x, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+                           _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc);
+#endif
+}
+
+static inline void store_bf16(uint16_t *y, __m512 v, int n) {  /* to nearest even, as to_bf16 */
+#if defined(__AVX512BF16__)
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+    if (n >= 16) _mm256_storeu_si256((__m256i *)y, h);
+    else _mm256_mask_storeu_epi16(y, (__mmask16)((1u << n) - 1), h);
+}
+
+static inline __attribute__((always_inline)) void product_pass(
+        const int R, int64_t pairs, const uint16_t *restrict Pg, const uint16_t *restrict x, int64_t xs,
+        const float *restrict bias, uint16_t *restrict y, int64_t ys, int64_t n0, int64_t N) {
+    __m512 acc[ROWS][TILES];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TILES; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i w[TILES];
+        for (int t = 0; t < TILES; t++) w[t] = _mm512_loadu_si512(Pg + (p * TILES + t) * 32);
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, x + r * xs + 2 * p, sizeof pair);
+            __m512i b = _mm512_set1_epi32((int)pair);
+            for (int t = 0; t < TILES; t++) acc[r][t] = dot2(acc[r][t], w[t], b);
+        }
+    }
+    for (int t = 0; t < TILES; t++) {
+        int64_t n = n0 + 16 * t;
+        if (n >= N) break;
+        __m512 b = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            store_bf16(y + r * ys + n, bias ? _mm512_add_ps(acc[r][t], b) : acc[r][t], (int)(N - n));
+    }
+}
+
+#define PASS(R) static void pass##R(int64_t pairs, const uint16_t *Pg, const uint16_t *x, int64_t xs,   \
+    const float *bias, uint16_t *y, int64_t ys, int64_t n0, int64_t N) {                            \
+    product_pass(R, pairs, Pg, x, xs, bias, y, ys, n0, N); }
+PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+typedef void (*pass_fn)(int64_t, const uint16_t *, const uint16_t *, int64_t, const float *, uint16_t *, int64_t,
+                        int64_t, int64_t);
+static const pass_fn PASSES[ROWS + 1] = {0, pass1, pass2, pass3, pass4, pass5, pass6, pass7, pass8};
+
+/* x: [M, K] (row stride xs), P: ``pack_bf16`` of W [N, K], bias: [N + padding] fp32 or NULL,
+ * y: [M, N] (row stride ys). K even. */
+void product_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs, const uint16_t *P,
+                  const float *bias, uint16_t *y, int64_t ys) {
+    const int64_t groups = (N + 16 * TILES - 1) / (16 * TILES), pairs = K / 2;
+    const int64_t chunks = (M + CHUNK - 1) / CHUNK;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *Pg = P + g * pairs * TILES * 32;
+            const float *bg = bias ? bias + g * 16 * TILES : NULL;
+            int64_t end = (c + 1) * CHUNK < M ? (c + 1) * CHUNK : M;
+            for (int64_t m = c * CHUNK; m < end; m += ROWS) {
+                int R = end - m < ROWS ? (int)(end - m) : ROWS;
+                PASSES[R](pairs, Pg, x + m * xs, xs, bg, y + m * ys, ys, g * 16 * TILES, N);
+            }
+        }
+}
+#else
+int product_tiles(void) { return 0; }
+#endif

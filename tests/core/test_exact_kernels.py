@@ -17,6 +17,7 @@ from tests.core.test_runtime import VOCAB, hf_model
 
 pytestmark = pytest.mark.skipif(not exact_kernels.available(), reason="no C compiler on this host")
 bf16_forwards = pytest.mark.skipif(not exact_possible(torch.bfloat16), reason="oneDNN packs no bf16 weights here")
+bf16_products = pytest.mark.skipif(not exact_kernels.products_available(), reason="no 512-bit vectors here")
 fp32_forwards = pytest.mark.skipif(not exact_possible(torch.float32), reason="no oneDNN here")
 
 HQ, HKV = 6, 2
@@ -71,7 +72,7 @@ def test_a_row_gets_the_same_bits_alone_and_among_many(dtype):
     together = exact_kernels.attend(q, [k], [v], visible)  # 120 rows per KV head: 8 blocks of 16 lanes
     for r in (0, 5, 39):
         reach = int(visible[0, r].nonzero().max()) + 1
-        alone = exact_kernels.attend(q[:, :, r:r + 1], [k], [v], visible[:, r:r + 1, :reach])  # 3 rows: 1 block, narrower
+        alone = exact_kernels.attend(q[:, :, r:r + 1], [k], [v], visible[:, r:r + 1, :reach])  # 3 rows: the narrow block's 4 lanes
         assert torch.equal(alone[:, :, 0], together[:, :, r])
     assert not torch.equal(together[:, :, 0], together[:, :, 1])
 
@@ -166,6 +167,59 @@ def test_the_fused_residual_add_and_norm_rounds_as_torch_does():
     torch.testing.assert_close(h, norm(x + y), atol=0, rtol=2 ** -7)  # at most one bf16 rounding apart
     alone, h0 = exact_kernels.add_rms_norm(x, None, norm.weight, 1e-5)
     assert torch.equal(alone, x) and torch.equal(h0[3], exact_kernels.add_rms_norm(x[3:4], None, norm.weight, 1e-5)[1][0])
+
+
+@bf16_products
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (100, 38), (7, 1536)])
+def test_the_bf16_product_is_the_product(out_features, in_features):
+    """Against the fp32 product of the same bf16 numbers: one bf16 rounding of the result apart
+    (widths that fill whole 48-column groups, and ones that leave the last group ragged)."""
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(11, in_features, generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        y = exact_kernels.product(x, exact_kernels.pack(w, b))
+        ref = x.float() @ w.float().T + (0 if b is None else b.float())
+        assert y.dtype == torch.bfloat16 and y.shape == (11, out_features)
+        torch.testing.assert_close(y.float(), ref, atol=1e-5, rtol=2 ** -8)
+
+
+@bf16_products
+def test_a_row_gets_the_same_product_bits_alone_and_among_many():
+    """Rows are computed eight to a pass and in chunks of 64 sharing the weights: every way of
+    cutting the call gives each row the same bits, as do strided inputs. Inputs of mixed
+    magnitudes, so that summing in another order shows through the bf16 rounding."""
+    g = torch.Generator().manual_seed(3)
+    w = exact_kernels.pack(torch.randn(200, 576, generator=g).to(torch.bfloat16),
+                           torch.randn(200, generator=g).to(torch.bfloat16))
+    x = (torch.randn(150, 576, generator=g) * 2.0 ** torch.randint(-6, 7, (150, 576), generator=g)).to(torch.bfloat16)
+    together = exact_kernels.product(x, w)
+    for start, n in [(r, 1) for r in range(150)] + [(3, 5), (60, 9), (10, 70), (0, 150)]:
+        assert torch.equal(exact_kernels.product(x[start:start + n], w), together[start:start + n]), (start, n)
+    wide = torch.randn(150, 1000, generator=g).to(torch.bfloat16)
+    wide[:, 100:676] = x
+    assert torch.equal(exact_kernels.product(wide[:, 100:676], w), together)
+
+
+@bf16_products
+def test_the_bf16_product_refuses_what_it_cannot_compute():
+    with pytest.raises(ValueError, match="even input width"):
+        exact_kernels.pack(torch.zeros(4, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="even input width"):
+        exact_kernels.pack(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="bf16 rows of 8"):
+        exact_kernels.product(torch.zeros(2, 6, dtype=torch.bfloat16), exact_kernels.pack(torch.zeros(4, 8).bfloat16()))
+
+
+@bf16_products
+def test_a_bf16_target_runs_its_products_on_the_batch_invariant_kernel():
+    from schemafill.layers import Linear
+
+    exact = from_hf_model(hf_model("qwen2", seed=2).to(torch.bfloat16))  # Q/K/V with a bias
+    linears = [m for m in exact.modules() if isinstance(m, Linear)]
+    assert exact.exact and all(m.blocked is not None and m.packed is None for m in linears)
+    assert exact.products[0][1] == "blocked"
 
 
 @bf16_forwards

@@ -533,7 +533,8 @@ def make_exact(target: Target) -> Target:
     kernels where they were faster. Q/K/V and gate/up are fused first: the layers call those
     products directly. Without room for the weights' copies the target is left as it was (not exact)."""
     if not exact_possible(target.dtype):
-        raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (oneDNN packing, a C compiler)")
+        raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (it needs a C compiler, and 512-bit "
+                           f"vectors or oneDNN packing of {target.dtype} weights)")
     linears = [m for m in fuse(target).modules() if isinstance(m, Linear)]
     blocked = target.dtype == torch.bfloat16 and exact_kernels.products_available() and all(
         m.in_features % 2 == 0 for m in linears)

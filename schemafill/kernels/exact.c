@@ -88,6 +88,7 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
             _Pragma("GCC unroll 8")                                                              \
             for (int u = 0; u < U; u++) {                                                        \
                 float kd = kbuf[u * hd + d];                                                     \
+                _Pragma("omp simd")                                                              \
                 for (int j = 0; j < L; j++) acc[u][j] = fmaf(kd, qd[j], acc[u][j]);              \
             }                                                                                    \
         }                                                                                        \

@@ -95,10 +95,13 @@ def library() -> ctypes.CDLL | None:
                        p, p, i64, i64, p, i64, i64, i, p, p, i64, i64, i64, f]
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [i64, i, p, i64, p, i64, p, f, p, i64, p, i64]
+    lib.silu_mul_bf16.restype, lib.silu_mul_bf16.argtypes = None, [i64, i64, p, p]
     lib.product_tiles.restype, lib.product_tiles.argtypes = i, []
     if lib.product_tiles():
         lib.pack_bf16.restype, lib.pack_bf16.argtypes = None, [i64, i64, p, p]
         lib.product_bf16.restype, lib.product_bf16.argtypes = None, [i64, i64, i64, p, i64, p, p, p, i64]
+        lib.layer_bf16.restype = None
+        lib.layer_bf16.argtypes = [ctypes.POINTER(LayerCall), i64, *[ctypes.POINTER(ProductArgs)] * 4, p, p, p, p]
     return lib
 
 
@@ -209,6 +212,34 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, 
     return out.unbind(0)
 
 
+class ProductArgs(ctypes.Structure):
+    """A packed weight as ``layer_bf16`` takes it."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("b", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class AttentionGroup(ctypes.Structure):
+    """One attention call of a layer (``layer_bf16``): B batch rows of T tokens at rows
+    [row0, row0 + B·T) of the call, each with its arena row per layer (``kv``: [layers, 2, B]
+    addresses, keys then values; the arena's KV-head and slot strides), slots [B, T], mask
+    [B, T, S] and rotary tables [B, T, hd]."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("B", "T", "S", "row0")] + [
+        ("slots", ctypes.c_void_p), ("ssb", ctypes.c_int64), ("kv", ctypes.c_void_p), ("ksh", ctypes.c_int64),
+        ("kss", ctypes.c_int64),
+        ("mask", ctypes.c_void_p), ("msb", ctypes.c_int64), ("mst", ctypes.c_int64),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("csb", ctypes.c_int64), ("cst", ctypes.c_int64)]
+
+
+class LayerCall(ctypes.Structure):
+    """What every layer of one forward shares (``layer_bf16``): shapes, the attention groups and
+    scratch buffers."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("rows", "H", "Hq", "Hkv", "hd", "I", "ngroups")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("groups", ctypes.POINTER(AttentionGroup))] + [
+        (name, ctypes.c_void_p) for name in ("qkv", "qbuf", "attn", "proj", "gu", "act")]
+
+
 @dataclass(frozen=True)
 class Packed:
     """A bf16 weight [N, K] in ``product``'s blocked layout, with its bias as fp32 (or None)."""
@@ -217,6 +248,11 @@ class Packed:
     bias: torch.Tensor | None  # [groups · COLS] fp32, zero past N
     out_features: int
     in_features: int
+
+    @property
+    def args(self) -> ProductArgs:
+        return ProductArgs(self.weight.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+                           self.out_features, self.in_features)
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
@@ -252,3 +288,14 @@ def product(x: torch.Tensor, w: Packed) -> torch.Tensor:  # [M, K] -> [M, N]
     library().product_bf16(m, w.out_features, w.in_features, x.data_ptr(), x.stride(0), w.weight.data_ptr(),
                            None if w.bias is None else w.bias.data_ptr(), y.data_ptr(), w.out_features)
     return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2·I] -> [M, I]
+    """``silu(gate) * up`` of bf16 rows holding gate then up, rounded as torch's bf16 ops round
+    them (what ``layer_bf16`` computes between its MLP products)."""
+    if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous():
+        raise ValueError("silu_mul takes contiguous bf16 rows")
+    m, width = gate_up.shape
+    out = torch.empty(m, width // 2, dtype=torch.bfloat16)
+    loaded().silu_mul_bf16(m, width // 2, gate_up.data_ptr(), out.data_ptr())
+    return out

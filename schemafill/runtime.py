@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from schemafill import exact_kernels, host_cache
@@ -212,8 +211,8 @@ def exact_product(linear: Linear, x: torch.Tensor) -> torch.Tensor:  # [N, In] -
 def exact_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
     """``MLP.forward`` for a batch-invariant bf16 target (gate/up fused, row-invariant products)."""
     b, t, _ = x.shape
-    gate, up = exact_product(mlp.gate_up, x.view(b * t, -1)).chunk(2, dim=-1)
-    return exact_product(mlp.down_proj, F.silu(gate) * up).view(b, t, -1)
+    act = exact_kernels.silu_mul(exact_product(mlp.gate_up, x.view(b * t, -1)))
+    return exact_product(mlp.down_proj, act).view(b, t, -1)
 
 
 @dataclass(frozen=True)
@@ -248,6 +247,11 @@ class ArenaCall:
         # ragged: each row reads only its own slots, straight from the arena
         return torch.cat([attend(q[b:b + 1], arena.k[layer][r:r + 1, :, :n], arena.v[layer][r:r + 1, :, :n],
                                  mask[b:b + 1, :, :n], fold_groups=fold) for b, (r, n) in enumerate(self.spans)])
+
+    def groups(self, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple]:
+        """The call as ``layer_group`` arguments: one group of every batch row."""
+        rows = range(self.slots.shape[0]) if self.rows is None else self.rows.tolist()
+        return [layer_group(self.arena, rows, 0, self.slots, self.mask, cos, sin)]
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,30 @@ class Packed:
             keys, values = part.arena.read(layer, None, mask.shape[-1])  # [1, Hkv, S, hd]
             outs.append(attend(q[:, :, a:b], keys, values, mask, blocks, fold))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def groups(self, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple]:
+        """The call as ``layer_group`` arguments: one group a part."""
+        return [layer_group(p.arena, [0], p.start, p.slots[None], mask, cos[:, :, p.start:p.stop],
+                            sin[:, :, p.start:p.stop]) for p, mask in zip(self.parts, self.masks)]
+
+
+def layer_group(arena: KVArena, rows: list[int], row0: int, slots: torch.Tensor, mask: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """One attention call of ``exact_kernels.LayerCall`` — batch rows ``rows`` of ``arena``, whose
+    tokens are the call's rows from ``row0`` on; slots [B, T]; mask [B, T, S] boolean; cos, sin:
+    [B, 1, T, hd] — with the tensors it points into (to keep alive through the layers)."""
+    if mask.shape[-1] > arena.capacity:
+        raise ValueError(f"visibility over {mask.shape[-1]} slots, but the arena holds {arena.capacity}")
+    mask, slots = mask.bool().contiguous(), slots.to(torch.int64).contiguous()
+    k0 = arena.k[0]
+    row_bytes = k0.stride(0) * k0.element_size()
+    kv = torch.tensor([t.data_ptr() + r * row_bytes for k, v in zip(arena.k, arena.v) for t in (k, v) for r in rows],
+                      dtype=torch.int64)
+    b, t = slots.shape
+    group = exact_kernels.AttentionGroup(b, t, mask.shape[-1], row0, slots.data_ptr(), slots.stride(0), kv.data_ptr(),
+                                         k0.stride(1), k0.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                         cos.stride(0), cos.stride(2))
+    return group, (mask, slots, kv, cos, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -338,6 +366,8 @@ class Target(nn.Module):
         # batch-invariant: a row's logits are the same bits whatever else its call holds
         # (``make_exact``), so verifying in bf16 gives AR's tokens
         self.exact = False
+        # per layer, what ``exact_kernels``' one-call layer takes (``make_exact``, where it applies)
+        self.layer_calls: list[tuple] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -397,7 +427,11 @@ class Target(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, T, hd], once for every layer
         saved = {}
-        if self.exact and x.dtype == torch.bfloat16:  # each residual add and the norm after it: one call
+        if self.layer_calls is not None:  # one call a layer
+            final = self._fused(x, cos, sin, kv, saved)
+            final = final if logits_at is None else final.gather(1, logits_at[..., None].expand(-1, -1, final.shape[-1]))
+            logits = exact_product(self.lm_head, final.reshape(-1, final.shape[-1])).view(*final.shape[:2], -1)
+        elif self.exact and x.dtype == torch.bfloat16:  # each residual add and the norm after it: one call
             layers = self.model.layers
             x, h = exact_kernels.add_rms_norm(x, None, layers[0].input_layernorm.weight, c.rms_norm_eps)
             for i, layer in enumerate(layers):
@@ -421,6 +455,32 @@ class Target(nn.Module):
             logits = self.lm_head(final)
         aux = torch.cat([saved[i] for i in c.aux_layer_ids], dim=-1)
         return Forward(logits=logits.float(), aux=aux, final=final)
+
+    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: "ArenaCall | Packed",
+               saved: dict) -> torch.Tensor:
+        """The layers of a batch-invariant bf16 target, each one ``exact_kernels`` call
+        (``layer_bf16``: the same kernels in the same order as ``_run``'s calls one by one), so
+        the per-layer Python a small call pays for is gone. Returns the final norm [B, T, H]."""
+        c = self.config
+        layers = self.model.layers
+        x, h = exact_kernels.add_rms_norm(x, None, layers[0].input_layernorm.weight, c.rms_norm_eps)
+        b, t, width = x.shape
+        rows, hd, qw = b * t, c.head_dim, c.num_heads * c.head_dim
+        inter = layers[0].mlp.down_proj.in_features
+        groups, keep = zip(*kv.groups(cos.contiguous(), sin.contiguous()))
+        sizes = [rows * (qw + 2 * c.num_kv_heads * hd), rows * qw, rows * qw, rows * width, rows * 2 * inter,
+                 rows * inter]
+        scratch = torch.empty(sum(sizes), dtype=torch.bfloat16)
+        at = [scratch.data_ptr() + 2 * sum(sizes[:i]) for i in range(len(sizes))]
+        call = exact_kernels.LayerCall(rows, width, c.num_heads, c.num_kv_heads, hd, inter, len(groups), c.rms_norm_eps, hd ** -0.5,
+                                       (exact_kernels.AttentionGroup * len(groups))(*groups), *at)
+        run, xp, hp = exact_kernels.loaded().layer_bf16, x.data_ptr(), h.data_ptr()
+        for i, args in enumerate(self.layer_calls):
+            if i in c.aux_layer_ids:
+                saved[i] = x.clone()
+            run(call, i, *args, xp, hp)
+        del keep  # what the groups point into lived until here
+        return h
 
     def block_overhead(self) -> int:
         """One more attention call's cost on a CPU in (row, slot) pairs of attention work."""
@@ -552,6 +612,13 @@ def make_exact(target: Target) -> Target:
             m.plan = ((PROBE_ROWS[-1], "packed"),)
     target.products = ((PROBE_ROWS[-1], kernel),)
     target.exact = True
+    if blocked and not target.config.qk_norm:  # one call a layer (the kernels have no Q/K norms)
+        layers = target.model.layers
+        after = [layer.input_layernorm for layer in layers[1:]] + [target.model.norm]
+        target.layer_calls = [(layer.self_attn.qkv.blocked.args, layer.self_attn.o_proj.blocked.args,
+                               layer.mlp.gate_up.blocked.args, layer.mlp.down_proj.blocked.args,
+                               layer.post_attention_layernorm.weight.data_ptr(), norm.weight.data_ptr())
+                              for layer, norm in zip(layers, after)]
     return target
 
 

@@ -357,3 +357,72 @@ void product_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs
 #else
 int product_tiles(void) { return 0; }
 #endif
+
+/* silu(gate) · up of bf16 halves, rounded as torch's bf16 ops round them: s = bf16(g / (1 + exp(-g)))
+ * in fp32, then bf16(s · u). gu: [rows, 2·I] (gate, then up), out: [rows, I]. */
+void silu_mul_bf16(int64_t rows, int64_t I, const uint16_t *gu, uint16_t *out) {
+    #pragma omp parallel for if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * I, *u = g + I;
+        uint16_t *o = out + r * I;
+        for (int64_t i = 0; i < I; i++) {
+            float x = from_bf16(g[i]);
+            float s = from_bf16(to_bf16(x / (1.0f + expf(-x))));
+            o[i] = to_bf16(s * from_bf16(u[i]));
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* One decoder layer of a bf16 target in one call (Llama, Mistral, Qwen2: no Q/K norms), the same
+ * kernels in the same order as the runtime calls them one by one:
+ *   qkv = h Wqkvᵀ; rotary, KV writes and attention per group; x, h = add_rms_norm(x, attn Woᵀ);
+ *   x, h = add_rms_norm(x, (silu(gate) · up) Wdownᵀ) with the next norm's weight.
+ * x (the residual stream) and h (its norm) are updated in place. A group is one attention call:
+ * B batch rows of T tokens, rows [row0, row0 + B·T) of the call, with their own arena rows,
+ * slots, mask and rotary tables. */
+typedef struct {
+    int64_t B, T, S, row0;
+    const int64_t *slots; int64_t ssb;
+    const int64_t *kv;  /* [layers][2][B]: each batch row's arena row, keys then values */
+    int64_t ksh, kss;   /* the arena's KV-head and slot strides */
+    const uint8_t *mask; int64_t msb, mst;
+    const uint16_t *cos, *sin; int64_t csb, cst;
+} attn_group;
+
+typedef struct { const uint16_t *w; const float *b; int64_t n, k; } packed_product;
+
+typedef struct {
+    int64_t rows, H, Hq, Hkv, hd, I, ngroups;
+    float eps, scale;
+    const attn_group *groups;
+    uint16_t *qkv, *qbuf, *attn, *proj, *gu, *act;  /* scratch */
+} layer_call;
+
+static void run_product(const packed_product *p, int64_t rows, const uint16_t *x, uint16_t *y) {
+    product_bf16(rows, p->n, p->k, x, p->k, p->w, p->b, y, p->n);
+}
+
+void layer_bf16(const layer_call *c, int64_t layer, const packed_product *qkv, const packed_product *o,
+                const packed_product *gate_up, const packed_product *down, const uint16_t *norm,
+                const uint16_t *next_norm, uint16_t *x, uint16_t *h) {
+    const int64_t n = c->rows, H = c->H, hd = c->hd, nq = (c->Hq + 2 * c->Hkv) * hd, qw = c->Hq * hd;
+    run_product(qkv, n, h, c->qkv);
+    for (int64_t i = 0; i < c->ngroups; i++) {
+        const attn_group *g = c->groups + i;
+        const uint16_t *q = c->qkv + g->row0 * nq;
+        const int64_t *kv = g->kv + layer * 2 * g->B;
+        rope_attend_bf16((int)g->B, (int)g->T, (int)c->Hq, (int)c->Hkv, (int)hd,
+                         q, g->T * nq, nq, hd, q + qw, g->T * nq, nq, hd, q + qw + c->Hkv * hd, g->T * nq, nq, hd,
+                         g->cos, g->sin, g->csb, g->cst, g->slots, g->ssb, kv, kv + g->B, g->ksh, g->kss,
+                         g->mask, g->msb, g->mst, (int)g->S, c->qbuf, c->attn + g->row0 * qw, g->T * qw, qw, hd,
+                         c->scale);
+    }
+    run_product(o, n, c->attn, c->proj);
+    add_rms_norm_bf16(n, (int)H, x, H, c->proj, H, norm, c->eps, x, H, h, H);
+    run_product(gate_up, n, h, c->gu);
+    silu_mul_bf16(n, c->I, c->gu, c->act);
+    run_product(down, n, c->act, c->proj);
+    add_rms_norm_bf16(n, (int)H, x, H, c->proj, H, next_norm, c->eps, x, H, h, H);
+}
+#endif

@@ -222,6 +222,43 @@ def test_a_bf16_target_runs_its_products_on_the_batch_invariant_kernel():
     assert exact.products[0][1] == "blocked"
 
 
+def test_silu_mul_rounds_as_torch_does():
+    gu = (torch.randn(9, 2 * 40) * 4).to(torch.bfloat16)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(exact_kernels.silu_mul(gu), F.silu(gate) * up, atol=0, rtol=2 ** -7)
+
+
+@bf16_products
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_call_a_layer_is_the_layer_by_layer_forward(family):
+    """``layer_bf16`` chains the kernels the layer-by-layer path calls: the same logits, features
+    and arena contents bit for bit — batch rows on their own arena rows (one in reverse), and a
+    packed call of two requests with a tree, each over its own arena (of its own capacity)."""
+    from schemafill.runtime import Part
+
+    exact = from_hf_model(hf_model(family, seed=9).to(torch.bfloat16))
+    fused = exact.layer_calls
+    assert fused is not None
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=g)
+    pos = torch.arange(9).expand(2, 9)
+    runs = []
+    for calls in (None, fused):
+        exact.layer_calls = calls
+        arena = exact.new_arena(3, 16)
+        out = exact.forward(tokens, pos, causal_visibility(pos, 12), pos + 2, arena, rows=torch.tensor([2, 0]))
+        arenas = [exact.new_arena(1, 16), exact.new_arena(1, 7)]  # capacities differ: so do their strides
+        tree = torch.ones(4, 4, dtype=torch.bool).tril()
+        tree[3, 2] = False  # the last two are siblings
+        parts = [Part(arenas[0], 0, torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril()),
+                 Part(arenas[1], 5, torch.tensor([0, 1, 2, 3]), tree)]
+        packed = exact.packed(tokens[0], torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 2]), parts)
+        runs.append((out.logits, out.aux, packed.logits, packed.aux, arena.k, arena.v, arenas[1].k, arenas[1].v))
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, list) else torch.equal(a, b)
+    assert runs[1][4][0][0].any() and not runs[1][4][0][1].any()  # arena row 1 stays unwritten
+
+
 @bf16_forwards
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_exact_bf16_forward_is_the_model(family):

@@ -185,6 +185,8 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         raise ValueError("rope_attend needs the head dim contiguous")
     if slots.dtype != torch.int64 or slots.stride(-1) != 1:
         slots = slots.to(torch.int64).contiguous()
+    if int(slots.max()) >= keys[0].shape[1]:  # the kernel writes there unchecked
+        raise ValueError(f"a key for slot {int(slots.max())}, but the arena holds {keys[0].shape[1]}")
     args, visible = arena_args(keys, values, visible)  # the checked mask stays alive through the call
     buf = torch.empty(2, b, t, hq, hd, dtype=q.dtype)  # the rotated queries, then the output
     rotated, out = buf.data_ptr(), buf.data_ptr() + buf.stride(0) * buf.element_size()

@@ -308,8 +308,9 @@ def layer_group(arena: KVArena, rows: list[int], row0: int, slots: torch.Tensor,
     """One attention call of ``exact_kernels.LayerCall`` — batch rows ``rows`` of ``arena``, whose
     tokens are the call's rows from ``row0`` on; slots [B, T]; mask [B, T, S] boolean; cos, sin:
     [B, 1, T, hd] — with the tensors it points into (to keep alive through the layers)."""
-    if mask.shape[-1] > arena.capacity:
-        raise ValueError(f"visibility over {mask.shape[-1]} slots, but the arena holds {arena.capacity}")
+    if mask.shape[-1] > arena.capacity or int(slots.max()) >= arena.capacity:
+        raise ValueError(f"visibility over {mask.shape[-1]} slots or writes up to slot {int(slots.max())}, but the "
+                         f"arena holds {arena.capacity}")
     mask, slots = mask.bool().contiguous(), slots.to(torch.int64).contiguous()
     k0 = arena.k[0]
     row_bytes = k0.stride(0) * k0.element_size()

@@ -287,3 +287,16 @@ def test_the_cost_curve_of_a_batch_invariant_target_is_its_own():
     plain = from_hf_model(model)
     exact = make_exact(from_hf_model(model))
     assert exact_kernels.build_id() in products(exact) and "exact" not in products(plain)
+
+
+@bf16_products
+def test_a_write_past_the_arena_is_refused_not_made():
+    exact = from_hf_model(hf_model("llama", seed=3).to(torch.bfloat16))
+    pos = torch.arange(4)[None]
+    with pytest.raises(ValueError, match="arena holds 6"):
+        exact.forward(torch.zeros(1, 4, dtype=torch.long), pos, causal_visibility(pos, 4), pos + 3,
+                      exact.new_arena(1, 6))
+    exact.layer_calls = None  # the layer-by-layer path checks the same
+    with pytest.raises(ValueError, match="arena holds 6"):
+        exact.forward(torch.zeros(1, 4, dtype=torch.long), pos, causal_visibility(pos, 4), pos + 3,
+                      exact.new_arena(1, 6))

@@ -358,17 +358,20 @@ void product_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs
 int product_tiles(void) { return 0; }
 #endif
 
-/* silu(gate) · up of bf16 halves, rounded as torch's bf16 ops round them: s = bf16(g / (1 + exp(-g)))
- * in fp32, then bf16(s · u). gu: [rows, 2·I] (gate, then up), out: [rows, I]. */
+/* silu(gate) · up of bf16 halves, rounded as torch's bf16 ops round them: s = bf16(silu(g)) in
+ * fp32, then bf16(s · u). silu(x) = x / (1 + e^-x), from e = exp(-|x|) so that the exponential's
+ * argument is never positive (``exp_neg``, which vectorizes where libm's expf does not).
+ * gu: [rows, 2·I] (gate, then up), out: [rows, I]. */
 void silu_mul_bf16(int64_t rows, int64_t I, const uint16_t *gu, uint16_t *out) {
-    #pragma omp parallel for if (rows > 16)
+    #pragma omp parallel for if (rows * I > 16384)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gu + r * 2 * I, *u = g + I;
         uint16_t *o = out + r * I;
         for (int64_t i = 0; i < I; i++) {
             float x = from_bf16(g[i]);
-            float s = from_bf16(to_bf16(x / (1.0f + expf(-x))));
-            o[i] = to_bf16(s * from_bf16(u[i]));
+            float e = exp_neg(-fabsf(x));
+            float s = (x >= 0.0f ? x : x * e) / (1.0f + e);
+            o[i] = to_bf16(from_bf16(to_bf16(s)) * from_bf16(u[i]));
         }
     }
 }

@@ -66,6 +66,20 @@ static inline float exp_neg(float x) {
     return x > -87.0f ? p * scale : 0.0f;
 }
 
+/* One past the last visible slot of a mask row, or ``floor`` if none is at or past it: eight
+ * slots a step (the rows of a causal prompt end far before the call's width). */
+static inline int last_visible(const uint8_t *m, int S, int floor) {
+    int s = S;
+    while (s - 8 >= floor) {
+        uint64_t word;
+        memcpy(&word, m + s - 8, sizeof word);
+        if (word) break;
+        s -= 8;
+    }
+    for (; s > floor; s--) if (m[s - 1]) return s;
+    return floor;
+}
+
 /* One block of up to L query rows (the first ``rows`` real) of one KV head: qT [hd][L]
  * (pre-scaled, lanes past the block's rows zero), bias [reach][L] (0 visible, -inf not),
  * P [reach][L] scratch, kbuf [U][hd] scratch; writes o [hd][L] unnormalized and l [L]. */
@@ -148,20 +162,20 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
         const T *K = (const T *)(intptr_t)kbase[b] + g * ksh;                                    \
         const T *V = (const T *)(intptr_t)vbase[b] + g * ksh;                                    \
         int rows = R - rb * L < L ? R - rb * L : L, reach = 0;                                   \
-        for (int j = 0; j < rows; j++) {                                                         \
-            const uint8_t *mr = mask + b * msb + (rb * L + j) / G * mst;                         \
-            for (int s = S - 1; s >= reach; s--) if (mr[s]) { reach = s + 1; break; }            \
-        }                                                                                        \
+        for (int j = 0; j < rows; j++)                                                           \
+            reach = last_visible(mask + b * msb + (rb * L + j) / G * mst, S, reach);             \
         float *buf = aligned_alloc(64, sizeof(float) * ((size_t)(2 * reach + 2 * hd + 1) * L + U * hd + 64)); \
         float *qT = buf, *o = qT + hd * L, *bias = o + hd * L, *P = bias + (size_t)reach * L;   \
         float *kbuf = P + (size_t)reach * L, *l = kbuf + U * hd;                                 \
         for (int j = 0; j < L; j++) {                                                            \
             int r = rb * L + j;                                                                  \
             const T *qr = q + b * qsb + r / G * qst + (g * G + r % G) * qsh;                     \
-            const uint8_t *mr = mask + b * msb + r / G * mst;                                    \
             for (int d = 0; d < hd; d++) qT[d * L + j] = j < rows ? LOAD(qr[d]) * scale : 0.0f;  \
-            for (int s = 0; s < reach; s++) bias[s * L + j] = j < rows && mr[s] ? 0.0f : -INFINITY; \
         }                                                                                        \
+        const uint8_t *mrow[LANES];  /* each lane's mask row (idle lanes: the first row's, masked below) */ \
+        for (int j = 0; j < L; j++) mrow[j] = mask + b * msb + (j < rows ? (rb * L + j) / G : 0) * mst; \
+        for (int s = 0; s < reach; s++)                                                          \
+            for (int j = 0; j < L; j++) bias[s * L + j] = j < rows && mrow[j][s] ? 0.0f : -INFINITY; \
         (L == LANES ? BLOCK : NARROW)(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l, rows);       \
         for (int j = 0; j < rows; j++) {                                                         \
             int r = rb * L + j;                                                                  \
@@ -227,18 +241,24 @@ void add_rms_norm_bf16(int64_t rows, int dim, const uint16_t *x, int64_t xs, con
                        const uint16_t *w, float eps, uint16_t *sum, int64_t ss, uint16_t *out, int64_t os) {
     #pragma omp parallel for if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * xs;
+        const uint16_t *xr = x + r * xs, *yr = y ? y + r * ys : NULL;
         uint16_t *sr = sum + r * ss, *orow = out + r * os;
-        float acc[16] = {0};
-        for (int i = 0; i < dim; i++) {
-            float v = y ? from_bf16(to_bf16(from_bf16(xr[i]) + from_bf16(y[r * ys + i]))) : from_bf16(xr[i]);
-            sr[i] = to_bf16(v);
-            acc[i % 16] = fmaf(v, v, acc[i % 16]);
+        float acc[16] = {0};  /* lane l sums the squares of elements l, l + 16, ... in order */
+        for (int i0 = 0; i0 < dim; i0 += 16) {
+            int n = dim - i0 < 16 ? dim - i0 : 16;
+            #pragma omp simd
+            for (int l = 0; l < n; l++) {
+                float v = from_bf16(xr[i0 + l]);
+                if (yr) v = from_bf16(to_bf16(v + from_bf16(yr[i0 + l])));
+                sr[i0 + l] = to_bf16(v);
+                acc[l] = fmaf(v, v, acc[l]);
+            }
         }
         float t8[8], t4[4];
         for (int l = 0; l < 8; l++) t8[l] = acc[l] + acc[l + 8];
         for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
         float inv = 1.0f / sqrtf(((t4[0] + t4[2]) + (t4[1] + t4[3])) / (float)dim + eps);
+        #pragma omp simd
         for (int i = 0; i < dim; i++)
             orow[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(sr[i]) * inv)));
     }

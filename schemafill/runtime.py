@@ -318,8 +318,8 @@ def layer_group(arena: KVArena, rows: list[int], row0: int, slots: torch.Tensor,
                       dtype=torch.int64)
     b, t = slots.shape
     group = exact_kernels.AttentionGroup(b, t, mask.shape[-1], row0, slots.data_ptr(), slots.stride(0), kv.data_ptr(),
-                                         k0.stride(1), k0.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1), cos.data_ptr(), sin.data_ptr(),
-                                         cos.stride(0), cos.stride(2))
+                                         k0.stride(1), k0.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1),
+                                         cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(2))
     return group, (mask, slots, kv, cos, sin)
 
 
@@ -430,7 +430,8 @@ class Target(nn.Module):
         saved = {}
         if self.layer_calls is not None:  # one call a layer
             final = self._fused(x, cos, sin, kv, saved)
-            final = final if logits_at is None else final.gather(1, logits_at[..., None].expand(-1, -1, final.shape[-1]))
+            if logits_at is not None:
+                final = final.gather(1, logits_at[..., None].expand(-1, -1, final.shape[-1]))
             logits = exact_product(self.lm_head, final.reshape(-1, final.shape[-1])).view(*final.shape[:2], -1)
         elif self.exact and x.dtype == torch.bfloat16:  # each residual add and the norm after it: one call
             layers = self.model.layers
@@ -473,8 +474,9 @@ class Target(nn.Module):
                  rows * inter]
         scratch = torch.empty(sum(sizes), dtype=torch.bfloat16)
         at = [scratch.data_ptr() + 2 * sum(sizes[:i]) for i in range(len(sizes))]
-        call = exact_kernels.LayerCall(rows, width, c.num_heads, c.num_kv_heads, hd, inter, len(groups), c.rms_norm_eps, hd ** -0.5,
-                                       (exact_kernels.AttentionGroup * len(groups))(*groups), *at)
+        table = (exact_kernels.AttentionGroup * len(groups))(*groups)
+        call = exact_kernels.LayerCall(rows, width, c.num_heads, c.num_kv_heads, hd, inter, len(groups),
+                                       c.rms_norm_eps, hd ** -0.5, table, *at)
         run, xp, hp = exact_kernels.loaded().layer_bf16, x.data_ptr(), h.data_ptr()
         for i, args in enumerate(self.layer_calls):
             if i in c.aux_layer_ids:
@@ -594,8 +596,8 @@ def make_exact(target: Target) -> Target:
     kernels where they were faster. Q/K/V and gate/up are fused first: the layers call those
     products directly. Without room for the weights' copies the target is left as it was (not exact)."""
     if not exact_possible(target.dtype):
-        raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (it needs a C compiler, and 512-bit "
-                           f"vectors or oneDNN packing of {target.dtype} weights)")
+        raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (it needs a C compiler, and "
+                           f"512-bit vectors or oneDNN packing of {target.dtype} weights)")
     linears = [m for m in fuse(target).modules() if isinstance(m, Linear)]
     blocked = target.dtype == torch.bfloat16 and exact_kernels.products_available() and all(
         m.in_features % 2 == 0 for m in linears)

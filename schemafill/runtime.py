@@ -531,7 +531,9 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
 
     folder = Path(folder)
     hf = AutoConfig.from_pretrained(folder)
-    target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *rope_tables(hf), hf_config=hf)
+    tables = rope_tables(hf)
+    with torch.device("meta"):  # every parameter is then assigned from the checkpoint: no random init
+        target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *tables, hf_config=hf)
     state = {k: v.to(dtype) for k, v in _checkpoint_state(folder).items()}
     return tune(_install(target, state).to(device).eval())
 

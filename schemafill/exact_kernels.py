@@ -129,18 +129,34 @@ def loaded() -> ctypes.CDLL:
     return lib
 
 
-def arena_args(keys: list[torch.Tensor], values: list[torch.Tensor], visible: torch.Tensor) -> tuple:
-    """What the attention kernels take of the arena and the mask: per batch row where its keys and
-    values start, the arena's KV-head and slot strides, and the visibility as contiguous
-    booleans with its strides and width (checked against the arena's capacity)."""
-    k0 = keys[0]
+def checked(capacity: int, visible: torch.Tensor, slots: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The visibility as contiguous booleans and the write slots as contiguous int64, refused
+    where they reach past an arena of ``capacity`` slots (the kernels read and write there
+    unchecked)."""
     if visible.dtype != torch.bool or not visible.is_contiguous():
         visible = visible.bool().contiguous()
-    if visible.shape[-1] > k0.shape[1]:
-        raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {k0.shape[1]}")
+    if visible.shape[-1] > capacity:
+        raise ValueError(f"visibility over {visible.shape[-1]} slots, but the arena holds {capacity}")
+    if slots is not None:
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        if int(slots.max()) >= capacity:
+            raise ValueError(f"a key for slot {int(slots.max())}, but the arena holds {capacity}")
+    return visible, slots
+
+
+def arena_args(keys: list[torch.Tensor], values: list[torch.Tensor], visible: torch.Tensor,
+               slots: torch.Tensor | None = None) -> tuple:
+    """What the attention kernels take of the arena and the mask: per batch row where its keys and
+    values start, the arena's KV-head and slot strides, and the visibility with its strides and
+    width; then the visibility and the slots as ``checked`` returns them (to keep alive through
+    the call)."""
+    k0 = keys[0]
+    visible, slots = checked(k0.shape[1], visible, slots)
     rows = ctypes.c_int64 * len(keys)
     return (rows(*(k.data_ptr() for k in keys)), rows(*(v.data_ptr() for v in values)), k0.stride(0), k0.stride(1),
-            visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1]), visible
+            visible.data_ptr(), visible.stride(0), visible.stride(1), visible.shape[-1]), visible, slots
 
 
 def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -159,7 +175,7 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
     b, hq, t, hd = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
-    args, visible = arena_args(keys, values, visible)  # the checked mask stays alive through the call
+    args, visible, _ = arena_args(keys, values, visible)  # the checked mask stays alive through the call
     out = torch.empty(b, t, hq, hd, dtype=q.dtype)
     fn(b, t, hq, keys[0].shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1), *args,
        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), hd ** -0.5)
@@ -183,11 +199,7 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     b, hq, t, hd = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope_attend needs the head dim contiguous")
-    if slots.dtype != torch.int64 or slots.stride(-1) != 1:
-        slots = slots.to(torch.int64).contiguous()
-    if int(slots.max()) >= keys[0].shape[1]:  # the kernel writes there unchecked
-        raise ValueError(f"a key for slot {int(slots.max())}, but the arena holds {keys[0].shape[1]}")
-    args, visible = arena_args(keys, values, visible)  # the checked mask stays alive through the call
+    args, visible, slots = arena_args(keys, values, visible, slots)  # checked, alive through the call
     buf = torch.empty(2, b, t, hq, hd, dtype=q.dtype)  # the rotated queries, then the output
     rotated, out = buf.data_ptr(), buf.data_ptr() + buf.stride(0) * buf.element_size()
     fn(b, t, hq, keys[0].shape[0], hd, q.data_ptr(), q.stride(0), q.stride(2), q.stride(1),
@@ -243,7 +255,7 @@ class LayerCall(ctypes.Structure):
 
 
 @dataclass(frozen=True)
-class Packed:
+class BlockedWeight:
     """A bf16 weight [N, K] in ``product``'s blocked layout, with its bias as fp32 (or None)."""
 
     weight: torch.Tensor  # [groups · COLS · K] bf16
@@ -257,7 +269,7 @@ class Packed:
                            self.out_features, self.in_features)
 
 
-def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockedWeight:
     """``weight`` [N, K] (bf16, K even) and its bias laid out for ``product``: a copy as large
     as the weight, padded to whole groups of columns."""
     lib = loaded()
@@ -275,10 +287,10 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packed:
     if bias is not None:
         padded = torch.zeros(groups * cols, dtype=torch.float32)
         padded[:n] = bias.detach().float()
-    return Packed(blocked, padded, n, k)
+    return BlockedWeight(blocked, padded, n, k)
 
 
-def product(x: torch.Tensor, w: Packed) -> torch.Tensor:  # [M, K] -> [M, N]
+def product(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:  # [M, K] -> [M, N]
     """``x @ Wᵀ + bias`` in bf16 with fp32 accumulation, every row's numbers independent of the
     others' (x: bf16 rows, the last dim contiguous)."""
     if x.dtype != torch.bfloat16 or x.shape[-1] != w.in_features:

@@ -112,6 +112,16 @@ class KVArena:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.rows, self.capacity = rows, capacity
+        self._addresses: torch.Tensor | None = None
+
+    def addresses(self) -> torch.Tensor:
+        """[layers, 2, rows] int64: where each layer's keys, then values, of each row start (the
+        batch-invariant kernels' view of the arena; its tensors never move, so computed once)."""
+        if self._addresses is None:
+            step = self.k[0].stride(0) * self.k[0].element_size()
+            self._addresses = torch.tensor([[[t.data_ptr() + r * step for r in range(self.rows)] for t in (k, v)]
+                                            for k, v in zip(self.k, self.v)], dtype=torch.int64)
+        return self._addresses
 
     def write(self, layer: int, rows: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B, T]; k, v: [B, Hkv, T, hd]
@@ -308,14 +318,9 @@ def layer_group(arena: KVArena, rows: list[int], row0: int, slots: torch.Tensor,
     """One attention call of ``exact_kernels.LayerCall`` — batch rows ``rows`` of ``arena``, whose
     tokens are the call's rows from ``row0`` on; slots [B, T]; mask [B, T, S] boolean; cos, sin:
     [B, 1, T, hd] — with the tensors it points into (to keep alive through the layers)."""
-    if mask.shape[-1] > arena.capacity or int(slots.max()) >= arena.capacity:
-        raise ValueError(f"visibility over {mask.shape[-1]} slots or writes up to slot {int(slots.max())}, but the "
-                         f"arena holds {arena.capacity}")
-    mask, slots = mask.bool().contiguous(), slots.to(torch.int64).contiguous()
+    mask, slots = exact_kernels.checked(arena.capacity, mask, slots)
     k0 = arena.k[0]
-    row_bytes = k0.stride(0) * k0.element_size()
-    kv = torch.tensor([t.data_ptr() + r * row_bytes for k, v in zip(arena.k, arena.v) for t in (k, v) for r in rows],
-                      dtype=torch.int64)
+    kv = arena.addresses()[:, :, rows].contiguous()
     b, t = slots.shape
     group = exact_kernels.AttentionGroup(b, t, mask.shape[-1], row0, slots.data_ptr(), slots.stride(0), kv.data_ptr(),
                                          k0.stride(1), k0.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1),

@@ -133,6 +133,7 @@ class ToolSpecConfig:
 
 
 SELECT_MODES = ("cost", "fixed")
+GRAPH_MODES = ("auto", "on", "off")
 CONSTRAIN_MODES = ("none", "schema", "prune")
 ABLATIONS = ("A", "B", "C", "D")  # SchemaFill's stages (paper Table 2)
 
@@ -167,6 +168,9 @@ class DecodeConfig:
     # goes (the default); a number fixes it, so the nodes kept no longer depend on timing and
     # two launches verify the same trees (infer/eval/behaviour.py)
     host_ms: float | None = None
+    # CUDA graphs of the target's decode and verification calls (schemafill/graphs.py): auto = on a
+    # CUDA target; on (a CUDA target, else an error); off = eager launches
+    cuda_graphs: str = "auto"
     # the training-free peers' own settings
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
@@ -179,6 +183,8 @@ class DecodeConfig:
             raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
         if self.select not in SELECT_MODES:
             raise ValueError(f"decode.select must be one of {SELECT_MODES}, got {self.select!r}")
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise ValueError(f"decode.cuda_graphs must be one of {GRAPH_MODES}, got {self.cuda_graphs!r}")
         if self.host_ms is not None and self.host_ms < 0:
             raise ValueError(f"decode.host_ms must be null (measured) or >= 0, got {self.host_ms}")
         if self.chain_head_depth < 0:

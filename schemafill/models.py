@@ -139,13 +139,19 @@ def decode_choice(model: ModelConfig, location: str, device: torch.device, verif
     return dtype, {"bf16": dtype == torch.bfloat16, "why": f"model.dtype={model.dtype} on {device.type}"}
 
 
-def load_launch_target(model: ModelConfig, artifacts: str | Path, device: torch.device) -> tuple[Any, Any, frozenset[int]]:
+def load_launch_target(model: ModelConfig, artifacts: str | Path, device: torch.device, cuda_graphs: str = "auto"
+                       ) -> tuple[Any, Any, frozenset[int]]:
     """What a decoding launch (``infer/run.py``, ``infer/serve.py``) runs on: the target on the
-    inference runtime, its tokenizer and its stop tokens."""
+    inference runtime (its calls graphed per ``cuda_graphs``: ``schemafill.graphs.enable``), its
+    tokenizer and its stop tokens."""
     location = target_location(model, artifacts)
     tokenizer = load_tokenizer(location, model.revision)
     eos = generation_eos(location, tokenizer, model.revision)
     dtype, why = decode_choice(model, location, device, verifies=True)
     print(f"[infer] precision: {str(dtype).removeprefix('torch.')} ({why['why']})")
     target = load_runtime(location, dtype, device, model.aux_layer_ids, model.revision)
+    from schemafill.graphs import enable
+
+    if enable(target, cuda_graphs) is not None:
+        print("[infer] CUDA graphs: decode and verification calls captured per bucket on first use")
     return target, tokenizer, eos

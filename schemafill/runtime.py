@@ -114,6 +114,15 @@ class KVArena:
         self.rows, self.capacity = rows, capacity
         self._addresses: torch.Tensor | None = None
 
+    @classmethod
+    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> "KVArena":
+        """An arena over per-layer tensors someone else owns (a pool's rows: ``schemafill.graphs``)."""
+        arena = cls.__new__(cls)
+        arena.k, arena.v = k, v
+        arena.rows, arena.capacity = k[0].shape[0], k[0].shape[2]
+        arena._addresses = None
+        return arena
+
     def addresses(self) -> torch.Tensor:
         """[layers, 2, rows] int64: where each layer's keys, then values, of each row start (the
         batch-invariant kernels' view of the arena; its tensors never move, so computed once)."""
@@ -374,6 +383,8 @@ class Target(nn.Module):
         self.exact = False
         # per layer, what ``exact_kernels``' one-call layer takes (``make_exact``, where it applies)
         self.layer_calls: list[tuple] | None = None
+        # CUDA graphs of its decode and verification calls, and the KV pool they read (``schemafill.graphs``)
+        self.graphs: Any = None
 
     @property
     def device(self) -> torch.device:
@@ -384,6 +395,8 @@ class Target(nn.Module):
         return self.lm_head.weight.dtype
 
     def new_arena(self, rows: int, capacity: int) -> KVArena:
+        if self.graphs is not None and rows == 1:  # a row of the pool its graphs read
+            return self.graphs.arena(capacity)
         c = self.config
         return KVArena(c.num_layers, rows, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
 
@@ -405,6 +418,11 @@ class Target(nn.Module):
         different widths (a prompt's causal rows, SIDE rows far past MAIN's) skips most of
         the masked-out work. A GPU attends in one call: there a launch costs more than the
         masked work it would save, and reading the mask back would stall the launch queue."""
+        if self.graphs is not None and tokens.shape[0] == 1 and rows is None and spans is None:
+            part = Part(arena, 0, write_slots[0], visibility[0])
+            out = self.graphs.packed(tokens[0], positions[0], [part], None if logits_at is None else logits_at[0])
+            if out is not None:
+                return out
         if self.exact:
             return self._run(tokens, positions, ArenaCall(arena, rows, write_slots, visibility, None, None), logits_at)
         blocks = query_blocks(reach(visibility), self.block_overhead()) \
@@ -419,6 +437,10 @@ class Target(nn.Module):
         after another; logits_at: [K] indices into N. Every projection runs once over all N
         rows; each part attends over its own arena (``Part``). Returns a batch of one:
         logits [1, K, V], aux [1, N, 3·H], final [1, K, H]."""
+        if self.graphs is not None:
+            out = self.graphs.packed(tokens, positions, parts, logits_at)
+            if out is not None:
+                return out
         cpu = tokens.device.type == "cpu" and not self.exact
         overhead = self.block_overhead()
         blocks = [query_blocks(reach(p.visibility[None]), overhead) if cpu else None for p in parts]

@@ -114,7 +114,8 @@ def run(cfg: InferConfig) -> dict:
                          f"concurrency=1")
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    target, tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
+    target, tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device,
+                                              cfg.decode.cuda_graphs)
 
     # ---- requests: malformed records and over-long prompts are named and skipped
     requests, rejected = read_requests(cfg.requests)

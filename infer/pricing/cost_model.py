@@ -194,7 +194,7 @@ def products(target: torch.nn.Module) -> str:
 def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a forward's time depends on, as one string: the target's shape and a sample of its
     weights, the device, dtype, the CPU capability ATen dispatches to, the thread count, and
-    the kernel choices its load measured (``schemafill.runtime.tune``)."""
+    the kernel choices its load measured (``schemafill.runtime.tune``), and whether its calls replay CUDA graphs."""
     c = target.config
     w = target.lm_head.weight
     probe = w.detach().flatten()[:: max(1, w.numel() // 4096)].float().cpu().numpy().tobytes()
@@ -203,7 +203,8 @@ def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
     return (f"{c.family}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}-{weights}|{device.type}{gpu}|"
             f"{str(dtype).removeprefix('torch.')}|{torch.backends.cpu.get_cpu_capability()}|"
             f"threads{torch.get_num_threads()}|torch{torch.__version__}|{products(target)}"
-            f"|fold{int(getattr(target, 'fold_groups', False))}")
+            f"|fold{int(getattr(target, 'fold_groups', False))}"
+            + ("|graphs" if getattr(getattr(target, "graphs", None), "capture", False) else ""))
 
 
 @torch.inference_mode()

@@ -111,7 +111,8 @@ class Engine:
         decoders.check(methods, 0.0)
         self.cfg = cfg
         device = resolve_device(cfg.device)
-        self.target, self.tokenizer, self.eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
+        self.target, self.tokenizer, self.eos = load_launch_target(cfg.model, cfg.paths.artifacts, device,
+                                                                   cfg.decode.cuda_graphs)
         self.fmt = cfg.model.fmt
         ctx = DecoderContext(self.target, self.tokenizer, self.eos, cfg.decode,
                              cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name), fmt=self.fmt)

@@ -1,0 +1,294 @@
+"""CUDA graphs for a target's decode and verification calls.
+
+An eager forward of a 7B target issues some 700 kernels; on a GPU issuing them takes longer
+than running them, so a one-row call costs what a 128-row one does and neither is near the
+weights' read time. A call replayed from a CUDA graph issues them as one. A graph fixes every
+tensor's shape and address, so three things make one graph serve many calls:
+
+* **Buckets.** A call's rows are padded up to a row bucket, its requests (parts) to a part
+  bucket, and the slots a part may see to a width bucket: one graph per
+  ``(rows, parts, width)``, captured the first time that shape is seen.
+* **One KV pool.** Every one-row arena the target hands out (``Target.new_arena``) is a row of
+  one KV tensor per layer (``ArenaPool``), so a graph reads any request's keys and values by a
+  pool row index held in a static input, not by the address it was captured with. Part p's
+  slots become columns ``[p·W, p·W + S_p)`` of the call's gathered keys, and one attention
+  call serves every part under a block-diagonal mask.
+* **Padding that sees and changes nothing real.** Padded rows write their keys and values to
+  the pool's scratch row (row 0, never handed out) and see one column; padded parts gather the
+  scratch row and are masked for everyone. A real row's logits, features and KV are those of
+  the unpadded call: rows interact only through attention, and no real row sees a padded one.
+
+Calls the buckets do not cover (a prefill longer than the largest row bucket, an arena not
+from the pool, a batch-row ``Target.forward``) run eagerly as before. Without CUDA nothing is
+captured: ``Graphs(target, capture=False)`` runs the same padded calls eagerly, which is how
+the CPU tests check everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from schemafill.config import GRAPH_MODES
+from schemafill.layers import apply_rotary_rolled, attend, mask_bias
+from schemafill.runtime import Forward, KVArena, Part, Target
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # more rows (a long prefill) run eagerly
+PART_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_WIDTH = 256  # the smallest width bucket; widths and the pool's capacity are powers of two from here
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``n``, or None past the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def width_bucket(n: int, capacity: int) -> int:
+    """The power of two ≥ ``n`` (at least ``MIN_WIDTH``), at most ``capacity``."""
+    width = MIN_WIDTH
+    while width < n:
+        width *= 2
+    return min(width, capacity)
+
+
+class ArenaPool:
+    """The KV of every one-row arena of a graphed target: per layer ``[rows, kv_heads, capacity,
+    head_dim]``, row 0 the padded rows' scratch. ``take`` hands out a row as a ``KVArena`` over
+    views of it; the row returns to the pool when that arena is collected. When the rows or the
+    capacity run out the pool grows (doubling), copies what it holds and points every live arena
+    at its new storage; ``generation`` counts growths, so graphs captured on the old storage are dropped."""
+
+    def __init__(self, target: Target, capacity: int, rows: int = 1) -> None:
+        c = target.config
+        self._shape = (c.num_layers, c.num_kv_heads, c.head_dim)
+        self.dtype, self.device = target.dtype, target.device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.rows, self.capacity, self.generation = 0, 0, 0
+        self.free: list[int] = []
+        self.live: dict[int, weakref.ref] = {}
+        self._allocate(rows + 1, width_bucket(capacity, 1 << 62))
+
+    def take(self, capacity: int) -> KVArena:
+        if capacity > self.capacity:
+            self._allocate(self.rows, width_bucket(capacity, 1 << 62))
+        if not self.free:
+            self._allocate(2 * self.rows - 1, self.capacity)
+        row = self.free.pop()
+        arena = KVArena.over([k[row:row + 1] for k in self.k], [v[row:row + 1] for v in self.v])
+        arena.pool_row = row  # type: ignore[attr-defined]
+        self.live[row] = weakref.ref(arena)
+        weakref.finalize(arena, self._release, row)
+        return arena
+
+    def row_of(self, arena: KVArena) -> int | None:
+        """The pool row ``arena`` is, or None for an arena the pool did not hand out."""
+        row = getattr(arena, "pool_row", None)
+        return row if row is not None and row in self.live and self.live[row]() is arena else None
+
+    def _release(self, row: int) -> None:
+        self.live.pop(row, None)
+        self.free.append(row)
+
+    def _allocate(self, rows: int, capacity: int) -> None:
+        layers, heads, hd = self._shape
+        old_rows, old_capacity = self.rows, self.capacity
+        k = [torch.zeros(rows, heads, capacity, hd, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        v = [torch.zeros(rows, heads, capacity, hd, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        for new, old in zip(k + v, self.k + self.v):
+            new[:old_rows, :, :old_capacity] = old
+        self.k, self.v, self.rows, self.capacity = k, v, rows, capacity
+        self.free = sorted(set(self.free) | set(range(max(old_rows, 1), rows)), reverse=True)
+        for row, ref in self.live.items():
+            arena = ref()
+            if arena is not None:
+                arena.k[:] = [t[row:row + 1] for t in k]
+                arena.v[:] = [t[row:row + 1] for t in v]
+                arena.capacity, arena._addresses = capacity, None
+        self.generation += 1
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """The attention of a bucketed call (``Target._run``'s per-layer KV callable): every row
+    writes its keys and values to its pool row and slot, then all rows attend at once over the
+    parts' pool rows gathered side by side, ``width`` slots each."""
+
+    pool: ArenaPool
+    write_rows: torch.Tensor  # [R] the pool row each call row writes (0: scratch)
+    write_slots: torch.Tensor  # [R]
+    gather: torch.Tensor  # [P] the pool row of each part (0 for a padded part)
+    width: int
+    bias: torch.Tensor  # [1, R, P·width] additive
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, fold: bool) -> torch.Tensor:
+        # q: [1, Hq, R, hd]; k, v: [1, Hkv, R, hd]; cos, sin: [1, 1, R, hd]
+        q, k = apply_rotary_rolled(q, cos, sin), apply_rotary_rolled(k, cos, sin)
+        keys, values = self.pool.k[layer], self.pool.v[layer]  # [rows, Hkv, C, hd]
+        keys[self.write_rows, :, self.write_slots] = k[0].transpose(0, 1)  # [R, Hkv, hd]
+        values[self.write_rows, :, self.write_slots] = v[0].transpose(0, 1)
+        hkv, hd = keys.shape[1], keys.shape[3]
+        side_by_side = [t[self.gather, :, :self.width].transpose(0, 1).reshape(1, hkv, -1, hd) for t in (keys, values)]
+        return attend(q, *side_by_side, self.bias, None, fold)  # [1, Hq, R, hd]
+
+
+@dataclass
+class Bucketed:
+    """One bucket's static inputs, the call over them, and its captured graph (if any)."""
+
+    tokens: torch.Tensor  # [R]
+    positions: torch.Tensor  # [R]
+    write_rows: torch.Tensor  # [R]
+    write_slots: torch.Tensor  # [R]
+    logits_at: torch.Tensor  # [R]: rows whose logits are read, padded with row 0
+    gather: torch.Tensor  # [P]
+    visible: torch.Tensor  # [R, P·W] boolean
+    width: int
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    out: Forward | None = None  # the graph's outputs (overwritten by each replay)
+    capture_s: float = 0.0
+
+    @classmethod
+    def empty(cls, rows: int, parts: int, width: int, device: torch.device) -> "Bucketed":
+        z = [torch.zeros(n, dtype=torch.long, device=device) for n in (rows, rows, rows, rows, rows, parts)]
+        return cls(*z, torch.zeros(rows, parts * width, dtype=torch.bool, device=device), width)
+
+    def load(self, pool: ArenaPool, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
+             logits_at: torch.Tensor | None) -> None:
+        """The call's inputs into the static ones, padded (``schemafill.graphs``)."""
+        n, dev = tokens.shape[0], self.tokens.device
+        pool_rows = [pool.row_of(p.arena) for p in parts]
+        self.tokens[:n], self.tokens[n:] = tokens, 0
+        self.positions[:n], self.positions[n:] = positions, 0
+        self.write_slots[:n], self.write_slots[n:] = torch.cat([p.slots for p in parts]), 0
+        counts = torch.tensor([p.slots.shape[0] for p in parts], device=dev)
+        self.write_rows[:n] = torch.tensor(pool_rows, device=dev).repeat_interleave(counts)
+        self.write_rows[n:] = 0
+        self.gather.zero_()
+        self.gather[:len(parts)] = torch.tensor(pool_rows, device=dev)
+        k = n if logits_at is None else logits_at.shape[0]
+        self.logits_at[:k] = torch.arange(n, device=dev) if logits_at is None else logits_at
+        self.logits_at[k:] = 0
+        visible = torch.zeros_like(self.visible)
+        for i, p in enumerate(parts):
+            s = p.visibility.shape[-1]
+            visible[p.start:p.stop, i * self.width:i * self.width + s] = p.visibility
+        visible[n:, 0] = True  # a padded row sees one column, so its softmax is defined
+        self.visible.copy_(visible)
+
+    def call(self, target: Target, pool: ArenaPool) -> Forward:
+        kv = Gathered(pool, self.write_rows, self.write_slots, self.gather, self.width,
+                      mask_bias(self.visible, target.dtype)[None])
+        return target._run(self.tokens[None], self.positions[None], kv, self.logits_at[None])
+
+
+@dataclass
+class Graphs:
+    """A target's bucketed calls (``schemafill.graphs``), captured as CUDA graphs when
+    ``capture`` (a CUDA target), else run eagerly over the same padded inputs."""
+
+    target: Target
+    capture: bool
+    pool: ArenaPool | None = None
+    calls: dict[tuple[int, int, int], Bucketed] = field(default_factory=dict)
+    generation: int = 0
+    replays: int = 0
+    eager: int = 0
+    mempool: Any = None
+
+    def arena(self, capacity: int) -> KVArena:
+        """A one-row arena of at least ``capacity`` slots: a row of the pool."""
+        if self.pool is None:
+            self.pool = ArenaPool(self.target, capacity)
+        return self.pool.take(capacity)
+
+    def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
+               logits_at: torch.Tensor | None) -> Forward | None:
+        """``Target.packed`` from the bucket's graph; None for a call no bucket covers (run it eagerly)."""
+        n = tokens.shape[0]
+        k = n if logits_at is None else logits_at.shape[0]
+        rows, count = bucket(max(n, k), ROW_BUCKETS), bucket(len(parts), PART_BUCKETS)
+        pool = self.pool
+        if rows is None or count is None or pool is None or any(pool.row_of(p.arena) is None for p in parts):
+            self.eager += 1
+            return None
+        if pool.generation != self.generation:  # the pool grew: its storage moved under the graphs
+            self.calls.clear()
+            self.generation = pool.generation
+        width = width_bucket(max(p.visibility.shape[-1] for p in parts), pool.capacity)
+        key = (rows, count, width)
+        b = self.calls.get(key)
+        if b is None:
+            b = self.calls[key] = Bucketed.empty(rows, count, width, tokens.device)
+        b.load(pool, tokens, positions, parts, logits_at)
+        out = self._replay(b)
+        self.replays += 1
+        # a graph's outputs are overwritten by its next replay: the caller keeps copies of the real rows
+        return Forward(logits=out.logits[:, :k].clone(), aux=out.aux[:, :n].clone(), final=out.final[:, :k].clone())
+
+    def _replay(self, b: Bucketed) -> Forward:
+        if not self.capture:
+            return b.call(self.target, self.pool)
+        if b.graph is None:
+            b.graph, b.out, b.capture_s = capture(lambda: b.call(self.target, self.pool), self.mempool_handle())
+        b.graph.replay()
+        return b.out
+
+    def mempool_handle(self) -> Any:
+        if self.mempool is None:  # graphs share one memory pool: each keeps only its outputs alive
+            self.mempool = torch.cuda.graph_pool_handle()
+        return self.mempool
+
+    def summary(self) -> dict:
+        """What a launch reports: graphs captured, their capture time, calls replayed and run eagerly."""
+        captured = [b for b in self.calls.values() if b.graph is not None]
+        return {"captured": len(captured), "capture_s": round(sum(b.capture_s for b in captured), 3),
+                "buckets": sorted(self.calls), "replayed_calls": self.replays, "eager_calls": self.eager,
+                "pool": None if self.pool is None else {"rows": self.pool.rows, "capacity": self.pool.capacity}}
+
+
+def capture(fn: Callable[[], Forward], mempool: Any, warmup: int = 2) -> tuple[Any, Forward, float]:
+    """``fn`` captured as a CUDA graph, after ``warmup`` runs on a side stream (which allocate
+    what it needs, outside the graph); returns the graph, its outputs and the seconds it took.
+    The warm-up runs do the call for real: its KV writes are the ones a replay repeats."""
+    start = time.perf_counter()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out, time.perf_counter() - start
+
+
+def enable(target: Target, mode: str) -> Graphs | None:
+    """Graph ``target``'s decode and verification calls per ``mode`` (``decode.cuda_graphs``):
+    ``auto`` on a CUDA target, ``on`` (a CUDA target, else an error), ``off``. Returns the
+    runner, or None when the target stays eager."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"decode.cuda_graphs must be one of {GRAPH_MODES}, got {mode!r}")
+    cuda = target.device.type == "cuda"
+    if mode == "on" and not cuda:
+        raise ValueError(f"decode.cuda_graphs=on needs a CUDA target; this one is on {target.device.type} "
+                         f"(auto graphs CUDA targets and leaves others eager)")
+    if mode == "off" or not cuda:
+        return None
+    return attach(target, capture=True)
+
+
+def attach(target: Target, capture: bool) -> Graphs:
+    """Route ``target``'s one-row arenas and packed calls through a new runner (``capture``: as
+    CUDA graphs; else the same padded calls run eagerly, for a CPU)."""
+    if target.exact:
+        raise ValueError("a batch-invariant CPU target runs its own kernels, which graphs do not capture")
+    target.graphs = Graphs(target, capture)
+    return target.graphs

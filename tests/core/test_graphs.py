@@ -1,0 +1,172 @@
+"""Bucketed target calls (``schemafill.graphs``): padding and the KV pool change nothing real.
+
+On a CPU the runner runs the padded calls eagerly (``capture=False``): everything but the CUDA
+capture itself. The capture is checked where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from infer.proposers.head import HeadDrafter, TreeBudget
+from schemafill import graphs
+from schemafill.config import DecodeConfig
+from schemafill.graphs import ROW_BUCKETS, bucket, width_bucket
+from schemafill.runtime import KVArena, Part, from_hf_model
+from tests.conftest import decode_ar, decode_tree
+from tests.core.test_runtime import VOCAB, hf_model
+from tests.decoders.test_decoders import CharTokenizer, RandomTree, random_head
+
+
+def pair(family: str = "llama", device: str = "cpu"):
+    """The same random target twice: eager, and with its calls bucketed."""
+    plain = from_hf_model(hf_model(family, seed=3).to(device), aux_layer_ids=[1, 2, 3])
+    graphed = from_hf_model(hf_model(family, seed=3).to(device), aux_layer_ids=[1, 2, 3])
+    runner = graphs.attach(graphed, capture=device == "cuda")
+    return plain, graphed, runner
+
+
+def test_buckets():
+    assert [bucket(n, ROW_BUCKETS) for n in (1, 2, 3, 5, 64, 65, 128, 129)] == [1, 2, 4, 8, 64, 128, 128, None]
+    assert [width_bucket(n, 4096) for n in (1, 256, 257, 1000, 1025, 5000)] == [256, 256, 512, 1024, 2048, 4096]
+    assert width_bucket(3000, 2048) == 2048  # never past the pool's capacity
+
+
+def visibility_after(width: int, n: int, parents: list[int]) -> torch.Tensor:
+    """[n, width + n]: every row sees the ``width`` committed slots, itself and its ancestors."""
+    v = torch.zeros(n, width + n, dtype=torch.bool)
+    v[:, :width] = True
+    for i, p in enumerate(parents):
+        v[i, width + i] = True
+        if p >= 0:
+            v[i, width:] |= v[p, width:]
+    return v
+
+
+def test_padded_calls_give_the_unpadded_logits_features_and_kv():
+    plain, graphed, runner = pair()
+    rng = random.Random(0)
+    lengths = (40, 90)
+    arenas = [(plain.new_arena(1, 130), graphed.new_arena(1, 130)) for _ in lengths]
+    assert [runner.pool.row_of(a) for _, a in arenas] == [1, 2]  # rows of the pool; 0 is the scratch row
+    for (a, b), n in zip(arenas, lengths):  # prefills, one at a time
+        ids = torch.tensor([rng.randrange(VOCAB) for _ in range(n)])
+        pos = torch.arange(n)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        for target, arena in ((plain, a), (graphed, b)):
+            target.packed(ids, pos, [Part(arena, 0, pos, causal)], torch.tensor([n - 1]))
+    # both requests verify a tree in one call: 3 + 5 rows, padded to 8 rows, 2 parts, 256 slots
+    trees = [[-1, 0, 0], [-1, 0, 1, 1, 3]]
+    tokens, positions, parts = [], [], {"plain": [], "graphed": []}
+    start = 0
+    for (a, b), n, parents in zip(arenas, lengths, trees):
+        k = len(parents)
+        tokens += [rng.randrange(VOCAB) for _ in parents]
+        depth = [0] * k
+        for i, p in enumerate(parents):
+            depth[i] = 0 if p < 0 else depth[p] + 1
+        positions += [n + d for d in depth]
+        vis, slots = visibility_after(n, k, parents), torch.arange(n, n + k)
+        parts["plain"].append(Part(a, start, slots, vis))
+        parts["graphed"].append(Part(b, start, slots, vis))
+        start += k
+    ids, pos, at = torch.tensor(tokens), torch.tensor(positions), torch.tensor([0, 2, 3, 7])
+    want = plain.packed(ids, pos, parts["plain"], at)
+    got = graphed.packed(ids, pos, parts["graphed"], at)
+    assert runner.summary()["buckets"] == [(8, 2, 256), (64, 1, 256), (128, 1, 256)]  # the prefills too
+    assert got.logits.shape == want.logits.shape == (1, 4, VOCAB)
+    assert got.aux.shape == want.aux.shape and got.final.shape == want.final.shape
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=2e-5)
+    torch.testing.assert_close(got.aux, want.aux, rtol=0, atol=2e-5)
+    torch.testing.assert_close(got.final, want.final, rtol=0, atol=2e-5)
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    for (a, b), n, parents in zip(arenas, lengths, trees):
+        used = n + len(parents)
+        for layer in range(plain.config.num_layers):
+            torch.testing.assert_close(b.k[layer][0, :, :used], a.k[layer][0, :, :used], rtol=0, atol=2e-5)
+            torch.testing.assert_close(b.v[layer][0, :, :used], a.v[layer][0, :, :used], rtol=0, atol=2e-5)
+            assert not b.k[layer][0, :, used:].any() and not b.v[layer][0, :, used:].any()  # nothing else written
+    # the padded rows wrote to the scratch row, and only there
+    assert runner.pool.k[0][0].any()
+
+
+def test_decoders_over_bucketed_calls_equal_ar():
+    plain, graphed, runner = pair("qwen2")
+    plain.hf_config = graphed.hf_config
+    head = random_head(graphed, seed=5)
+    tok = CharTokenizer(-1)
+    rng = random.Random(1)
+    for case in range(2):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 20))]
+        ar = decode_ar(plain, tok, prompt, 24, frozenset())
+        assert decode_ar(graphed, tok, prompt, 24, frozenset()).ids == ar.ids
+        for drafter in (RandomTree(case), HeadDrafter(head, TreeBudget(topk=3, depth=3, total=8))):
+            out = decode_tree(graphed, tok, prompt, 24, frozenset(), drafter, scratch=32)
+            assert out.ids == ar.ids, (case, type(drafter).__name__)
+    summary = runner.summary()
+    assert summary["replayed_calls"] > 40 and len({rows for rows, _, _ in summary["buckets"]}) >= 3
+    gc.collect()
+    assert runner.pool.rows <= 3  # each request's arena went back to the pool when its decode ended
+
+
+def test_calls_no_bucket_covers_run_eagerly():
+    plain, graphed, runner = pair()
+    n = ROW_BUCKETS[-1] + 1
+    ids, pos = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(0)), torch.arange(n)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    a, b = plain.new_arena(1, n), graphed.new_arena(1, n)
+    want = plain.packed(ids, pos, [Part(a, 0, pos, causal)])
+    got = graphed.packed(ids, pos, [Part(b, 0, pos, causal)])
+    assert runner.eager == 1 and runner.replays == 0
+    assert torch.equal(got.logits, want.logits)
+    own = KVArena(graphed.config.num_layers, 1, graphed.config.num_kv_heads, 8, graphed.config.head_dim,
+                  graphed.dtype, graphed.device)  # not the pool's: the graphs cannot read it
+    graphed.packed(ids[:1], pos[:1], [Part(own, 0, pos[:1], causal[:1, :1])])
+    assert runner.eager == 2 and runner.replays == 0
+
+
+def test_the_pool_recycles_rows_and_grows_under_live_arenas():
+    _, graphed, runner = pair()
+    first = graphed.new_arena(1, 100)
+    pool = runner.pool
+    assert (pool.rows, pool.capacity, first.capacity) == (2, 256, 256)
+    first.k[0][0, 0, 5] = 1.0
+    second = graphed.new_arena(1, 100)  # rows run out: the pool doubles, the first arena keeps its KV
+    assert pool.rows == 3 and pool.generation == 2
+    assert first.k[0].data_ptr() == pool.k[0][1].data_ptr() and first.k[0][0, 0, 5].eq(1.0).all()
+    third = graphed.new_arena(1, 600)  # a longer request: every row's capacity grows
+    assert pool.capacity == 1024 and first.capacity == second.capacity == third.capacity == 1024
+    assert first.k[0][0, 0, 5].eq(1.0).all() and pool.rows == 5
+    row = pool.row_of(second)
+    del second
+    gc.collect()
+    assert pool.row_of(graphed.new_arena(1, 10)) == row  # a finished request's row serves the next
+
+
+def test_modes():
+    target = from_hf_model(hf_model("llama", seed=3), aux_layer_ids=[1, 2, 3])
+    for mode in ("auto", "off"):
+        assert graphs.enable(target, mode) is None and target.graphs is None  # a CPU target stays eager
+    with pytest.raises(ValueError, match="needs a CUDA target"):
+        graphs.enable(target, "on")
+    with pytest.raises(ValueError, match="decode.cuda_graphs"):
+        graphs.enable(target, "always")
+    with pytest.raises(ValueError, match="decode.cuda_graphs"):
+        DecodeConfig(cuda_graphs="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_graphs_replay_the_eager_decoders():
+    plain, graphed, runner = pair("llama", "cuda")
+    plain.hf_config = graphed.hf_config
+    tok = CharTokenizer(-1)
+    prompt = list(range(3, 40))
+    ar = decode_ar(plain, tok, prompt, 32, frozenset())
+    assert decode_ar(graphed, tok, prompt, 32, frozenset()).ids == ar.ids
+    assert decode_tree(graphed, tok, prompt, 32, frozenset(), RandomTree(0), scratch=32).ids == ar.ids
+    summary = runner.summary()
+    assert summary["captured"] >= 2 and summary["capture_s"] > 0

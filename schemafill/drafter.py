@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -132,6 +132,7 @@ class Eagle3Head(nn.Module):
         # the embeddings are the target's: never saved (checkpoints, exports), kept on load
         self.register_state_dict_post_hook(_drop_embeddings)
         self.register_load_state_dict_pre_hook(_keep_embeddings)
+        self.graphs: Any = None  # CUDA graphs of its draft steps and the KV pool they read (``schemafill.graphs``)
 
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """Install the draft vocabulary (target ids, in draft-id order)."""
@@ -148,6 +149,8 @@ class Eagle3Head(nn.Module):
 
     def new_arena(self, capacity: int) -> KVArena:
         """KV for one request's drafting (the head's single layer)."""
+        if self.graphs is not None:
+            return self.graphs.arena(capacity)
         c, w = self.config, self.fc.weight
         return KVArena(1, 1, c.num_key_value_heads, capacity, c.head_dim, w.dtype, w.device)
 
@@ -160,12 +163,26 @@ class Eagle3Head(nn.Module):
         committed position (training step 0), the parent's output for a draft node (step
         k > 0); visibility: [B, T, S] over arena slots, as in the runtime.
         """
+        if self.graphs is not None:
+            out = self.graphs.decode_step(input_ids, hidden, positions, visibility, write_slots, arena)
+            if out is not None:
+                return out
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            arena.write(0, None, write_slots, k, v)
+            keys, values = arena.read(0, None, visibility.shape[-1])
+            return attend(q, keys, values, visibility)
+
+        return self.attend_step(input_ids, hidden, positions, attention)
+
+    def attend_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``decode_step`` with its KV handled by ``attention(q, k, v)`` (rotated q [B, Hq, T, hd],
+        k, v [B, Hkv, T, hd]), which writes the new keys and values where it keeps them and attends."""
         dtype = hidden.dtype
         cos, sin = self.rotary(positions, dtype)
         q, k, v = self.midlayer.qkv(self.embed_tokens(input_ids).to(dtype), hidden, cos, sin)
-        arena.write(0, None, write_slots, k, v)
-        keys, values = arena.read(0, None, visibility.shape[-1])
-        return self.midlayer.finish(hidden, attend(q, keys, values, visibility))
+        return self.midlayer.finish(hidden, attention(q, k, v))
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
                 horizons: int, start: int = 0) -> list[torch.Tensor]:

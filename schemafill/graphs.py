@@ -55,17 +55,19 @@ def width_bucket(n: int, capacity: int) -> int:
     return min(width, capacity)
 
 
-class ArenaPool:
-    """The KV of every one-row arena of a graphed target: per layer ``[rows, kv_heads, capacity,
-    head_dim]``, row 0 the padded rows' scratch. ``take`` hands out a row as a ``KVArena`` over
-    views of it; the row returns to the pool when that arena is collected. When the rows or the
-    capacity run out the pool grows (doubling), copies what it holds and points every live arena
-    at its new storage; ``generation`` counts growths, so graphs captured on the old storage are dropped."""
 
-    def __init__(self, target: Target, capacity: int, rows: int = 1) -> None:
-        c = target.config
-        self._shape = (c.num_layers, c.num_kv_heads, c.head_dim)
-        self.dtype, self.device = target.dtype, target.device
+class ArenaPool:
+    """The KV of every one-row arena a graphed model hands out: per layer ``[rows, kv_heads,
+    capacity, head_dim]``, row 0 the padded rows' scratch. ``take`` hands out a row as a
+    ``KVArena`` over views of it; the row returns to the pool when that arena is collected. When
+    the rows or the capacity run out the pool grows (doubling), copies what it holds and points
+    every live arena at its new storage; ``generation`` counts growths, so graphs captured on
+    the old storage are dropped."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int, rows: int = 1) -> None:
+        self._shape = (layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.rows, self.capacity, self.generation = 0, 0, 0
@@ -114,9 +116,9 @@ class ArenaPool:
 
 @dataclass(frozen=True)
 class Gathered:
-    """The attention of a bucketed call (``Target._run``'s per-layer KV callable): every row
-    writes its keys and values to its pool row and slot, then all rows attend at once over the
-    parts' pool rows gathered side by side, ``width`` slots each."""
+    """The attention of a bucketed call: every row writes its keys and values to its pool row
+    and slot, then all rows attend at once over the parts' pool rows gathered side by side,
+    ``width`` slots each. Called as ``Target._run``'s per-layer KV callable (before rotary)."""
 
     pool: ArenaPool
     write_rows: torch.Tensor  # [R] the pool row each call row writes (0: scratch)
@@ -128,18 +130,22 @@ class Gathered:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, fold: bool) -> torch.Tensor:
         # q: [1, Hq, R, hd]; k, v: [1, Hkv, R, hd]; cos, sin: [1, 1, R, hd]
-        q, k = apply_rotary_rolled(q, cos, sin), apply_rotary_rolled(k, cos, sin)
+        return self.attend(layer, apply_rotary_rolled(q, cos, sin), apply_rotary_rolled(k, cos, sin), v, fold)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fold: bool = False
+               ) -> torch.Tensor:
+        # rotated q: [1, Hq, R, hd]; k, v: [1, Hkv, R, hd] -> [1, Hq, R, hd]
         keys, values = self.pool.k[layer], self.pool.v[layer]  # [rows, Hkv, C, hd]
         keys[self.write_rows, :, self.write_slots] = k[0].transpose(0, 1)  # [R, Hkv, hd]
         values[self.write_rows, :, self.write_slots] = v[0].transpose(0, 1)
         hkv, hd = keys.shape[1], keys.shape[3]
         side_by_side = [t[self.gather, :, :self.width].transpose(0, 1).reshape(1, hkv, -1, hd) for t in (keys, values)]
-        return attend(q, *side_by_side, self.bias, None, fold)  # [1, Hq, R, hd]
+        return attend(q, *side_by_side, self.bias, None, fold)
 
 
 @dataclass
 class Bucketed:
-    """One bucket's static inputs, the call over them, and its captured graph (if any)."""
+    """One bucket's static inputs, and its captured graph with the outputs it writes."""
 
     tokens: torch.Tensor  # [R]
     positions: torch.Tensor  # [R]
@@ -149,22 +155,28 @@ class Bucketed:
     gather: torch.Tensor  # [P]
     visible: torch.Tensor  # [R, P·W] boolean
     width: int
+    hidden: torch.Tensor | None = None  # [R, H]: the head's input features
     graph: Any = None  # torch.cuda.CUDAGraph once captured
-    out: Forward | None = None  # the graph's outputs (overwritten by each replay)
+    out: Any = None  # the graph's outputs (overwritten by each replay)
     capture_s: float = 0.0
 
     @classmethod
-    def empty(cls, rows: int, parts: int, width: int, device: torch.device) -> "Bucketed":
-        z = [torch.zeros(n, dtype=torch.long, device=device) for n in (rows, rows, rows, rows, rows, parts)]
-        return cls(*z, torch.zeros(rows, parts * width, dtype=torch.bool, device=device), width)
+    def empty(cls, rows: int, parts: int, width: int, device: torch.device,
+              hidden: tuple[int, torch.dtype] | None = None) -> "Bucketed":
+        z = [torch.zeros(rows, dtype=torch.long, device=device) for _ in range(5)]
+        features = None if hidden is None else torch.zeros(rows, hidden[0], dtype=hidden[1], device=device)
+        return cls(*z, torch.zeros(parts, dtype=torch.long, device=device),
+                   torch.zeros(rows, parts * width, dtype=torch.bool, device=device), width, features)
 
     def load(self, pool: ArenaPool, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
-             logits_at: torch.Tensor | None) -> None:
+             logits_at: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
         """The call's inputs into the static ones, padded (``schemafill.graphs``)."""
         n, dev = tokens.shape[0], self.tokens.device
         pool_rows = [pool.row_of(p.arena) for p in parts]
         self.tokens[:n], self.tokens[n:] = tokens, 0
         self.positions[:n], self.positions[n:] = positions, 0
+        if hidden is not None:
+            self.hidden[:n], self.hidden[n:] = hidden, 0
         self.write_slots[:n], self.write_slots[n:] = torch.cat([p.slots for p in parts]), 0
         counts = torch.tensor([p.slots.shape[0] for p in parts], device=dev)
         self.write_rows[:n] = torch.tensor(pool_rows, device=dev).repeat_interleave(counts)
@@ -181,19 +193,22 @@ class Bucketed:
         visible[n:, 0] = True  # a padded row sees one column, so its softmax is defined
         self.visible.copy_(visible)
 
-    def call(self, target: Target, pool: ArenaPool) -> Forward:
-        kv = Gathered(pool, self.write_rows, self.write_slots, self.gather, self.width,
-                      mask_bias(self.visible, target.dtype)[None])
-        return target._run(self.tokens[None], self.positions[None], kv, self.logits_at[None])
+    def gathered(self, pool: ArenaPool, dtype: torch.dtype) -> Gathered:
+        return Gathered(pool, self.write_rows, self.write_slots, self.gather, self.width,
+                        mask_bias(self.visible, dtype)[None])
 
 
 @dataclass
-class Graphs:
-    """A target's bucketed calls (``schemafill.graphs``), captured as CUDA graphs when
-    ``capture`` (a CUDA target), else run eagerly over the same padded inputs."""
+class Runner:
+    """Bucketed calls of one model over one KV pool, each bucket's ``step`` captured as a CUDA
+    graph when ``capture``, else run eagerly over the same padded inputs."""
 
-    target: Target
+    pool_shape: tuple[int, int, int]  # layers, KV heads, head dim
+    dtype: torch.dtype
+    device: torch.device
     capture: bool
+    step: Callable[[Bucketed, Gathered], Any]  # the model's call over a bucket's static inputs
+    hidden_size: int = 0  # rows carry input features of this width (the head's)
     pool: ArenaPool | None = None
     calls: dict[tuple[int, int, int], Bucketed] = field(default_factory=dict)
     generation: int = 0
@@ -204,12 +219,13 @@ class Graphs:
     def arena(self, capacity: int) -> KVArena:
         """A one-row arena of at least ``capacity`` slots: a row of the pool."""
         if self.pool is None:
-            self.pool = ArenaPool(self.target, capacity)
+            self.pool = ArenaPool(*self.pool_shape, self.dtype, self.device, capacity)
         return self.pool.take(capacity)
 
-    def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
-               logits_at: torch.Tensor | None) -> Forward | None:
-        """``Target.packed`` from the bucket's graph; None for a call no bucket covers (run it eagerly)."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part], logits_at: torch.Tensor | None,
+            hidden: torch.Tensor | None = None) -> Any:
+        """The bucket's outputs for this call (valid until the bucket's next call), or None for a
+        call no bucket covers (run it eagerly). tokens, positions: [N]; hidden: [N, H]."""
         n = tokens.shape[0]
         k = n if logits_at is None else logits_at.shape[0]
         rows, count = bucket(max(n, k), ROW_BUCKETS), bucket(len(parts), PART_BUCKETS)
@@ -224,25 +240,18 @@ class Graphs:
         key = (rows, count, width)
         b = self.calls.get(key)
         if b is None:
-            b = self.calls[key] = Bucketed.empty(rows, count, width, tokens.device)
-        b.load(pool, tokens, positions, parts, logits_at)
-        out = self._replay(b)
+            features = (self.hidden_size, self.dtype) if self.hidden_size else None
+            b = self.calls[key] = Bucketed.empty(rows, count, width, tokens.device, features)
+        b.load(pool, tokens, positions, parts, logits_at, hidden)
         self.replays += 1
-        # a graph's outputs are overwritten by its next replay: the caller keeps copies of the real rows
-        return Forward(logits=out.logits[:, :k].clone(), aux=out.aux[:, :n].clone(), final=out.final[:, :k].clone())
-
-    def _replay(self, b: Bucketed) -> Forward:
         if not self.capture:
-            return b.call(self.target, self.pool)
+            return self.step(b, b.gathered(pool, self.dtype))
         if b.graph is None:
-            b.graph, b.out, b.capture_s = capture(lambda: b.call(self.target, self.pool), self.mempool_handle())
+            if self.mempool is None:  # one memory pool for all: each graph keeps only its outputs alive
+                self.mempool = torch.cuda.graph_pool_handle()
+            b.graph, b.out, b.capture_s = capture(lambda: self.step(b, b.gathered(pool, self.dtype)), self.mempool)
         b.graph.replay()
         return b.out
-
-    def mempool_handle(self) -> Any:
-        if self.mempool is None:  # graphs share one memory pool: each keeps only its outputs alive
-            self.mempool = torch.cuda.graph_pool_handle()
-        return self.mempool
 
     def summary(self) -> dict:
         """What a launch reports: graphs captured, their capture time, calls replayed and run eagerly."""
@@ -252,7 +261,51 @@ class Graphs:
                 "pool": None if self.pool is None else {"rows": self.pool.rows, "capacity": self.pool.capacity}}
 
 
-def capture(fn: Callable[[], Forward], mempool: Any, warmup: int = 2) -> tuple[Any, Forward, float]:
+class TargetGraphs(Runner):
+    """A target's decode and verification calls (``Target.packed``, one-row ``Target.forward``)."""
+
+    def __init__(self, target: Target, capture: bool) -> None:
+        c = target.config
+
+        def step(b: Bucketed, kv: Gathered) -> Forward:
+            return target._run(b.tokens[None], b.positions[None], kv, b.logits_at[None])
+
+        super().__init__((c.num_layers, c.num_kv_heads, c.head_dim), target.dtype, target.device, capture, step)
+
+    def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
+               logits_at: torch.Tensor | None) -> Forward | None:
+        """``Target.packed`` from the bucket's graph, or None (run it eagerly)."""
+        out = self.run(tokens, positions, parts, logits_at)
+        if out is None:
+            return None
+        n, k = tokens.shape[0], tokens.shape[0] if logits_at is None else logits_at.shape[0]
+        # the next replay overwrites a graph's outputs: the caller gets copies of the real rows
+        return Forward(logits=out.logits[:, :k].clone(), aux=out.aux[:, :n].clone(), final=out.final[:, :k].clone())
+
+
+class HeadGraphs(Runner):
+    """An EAGLE-3 head's draft steps (``Eagle3Head.decode_step``)."""
+
+    def __init__(self, head: Any, capture: bool) -> None:
+        c, w = head.config, head.fc.weight
+
+        def step(b: Bucketed, kv: Gathered) -> torch.Tensor:
+            return head.attend_step(b.tokens[None], b.hidden[None], b.positions[None],
+                                    lambda q, k, v: kv.attend(0, q, k, v))
+
+        super().__init__((1, c.num_key_value_heads, c.head_dim), w.dtype, w.device, capture, step, c.hidden_size)
+
+    def decode_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    visibility: torch.Tensor, write_slots: torch.Tensor, arena: KVArena) -> torch.Tensor | None:
+        """``Eagle3Head.decode_step`` (batch of one) from the bucket's graph, or None (run it eagerly)."""
+        if input_ids.shape[0] != 1:
+            return None
+        part = Part(arena, 0, write_slots[0], visibility[0])
+        out = self.run(input_ids[0], positions[0], [part], None, hidden[0])
+        return None if out is None else out[:, :input_ids.shape[1]].clone()
+
+
+def capture(fn: Callable[[], Any], mempool: Any, warmup: int = 2) -> tuple[Any, Any, float]:
     """``fn`` captured as a CUDA graph, after ``warmup`` runs on a side stream (which allocate
     what it needs, outside the graph); returns the graph, its outputs and the seconds it took.
     The warm-up runs do the call for real: its KV writes are the ones a replay repeats."""
@@ -270,10 +323,11 @@ def capture(fn: Callable[[], Forward], mempool: Any, warmup: int = 2) -> tuple[A
     return graph, out, time.perf_counter() - start
 
 
-def enable(target: Target, mode: str) -> Graphs | None:
+def enable(target: Target, mode: str) -> TargetGraphs | None:
     """Graph ``target``'s decode and verification calls per ``mode`` (``decode.cuda_graphs``):
     ``auto`` on a CUDA target, ``on`` (a CUDA target, else an error), ``off``. Returns the
-    runner, or None when the target stays eager."""
+    runner, or None when the target stays eager. A head loaded for it afterwards follows
+    (``attach_head``)."""
     if mode not in GRAPH_MODES:
         raise ValueError(f"decode.cuda_graphs must be one of {GRAPH_MODES}, got {mode!r}")
     cuda = target.device.type == "cuda"
@@ -285,10 +339,16 @@ def enable(target: Target, mode: str) -> Graphs | None:
     return attach(target, capture=True)
 
 
-def attach(target: Target, capture: bool) -> Graphs:
+def attach(target: Target, capture: bool) -> TargetGraphs:
     """Route ``target``'s one-row arenas and packed calls through a new runner (``capture``: as
     CUDA graphs; else the same padded calls run eagerly, for a CPU)."""
     if target.exact:
         raise ValueError("a batch-invariant CPU target runs its own kernels, which graphs do not capture")
-    target.graphs = Graphs(target, capture)
+    target.graphs = TargetGraphs(target, capture)
     return target.graphs
+
+
+def attach_head(head: Any, capture: bool) -> HeadGraphs:
+    """Route an EAGLE-3 head's arenas and draft steps through a new runner, as ``attach``."""
+    head.graphs = HeadGraphs(head, capture)
+    return head.graphs

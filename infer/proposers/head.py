@@ -45,6 +45,7 @@ from infer.spec.session import MainSession
 from infer.spec.tree import ROOT
 from schemafill.config import DecodeConfig
 from schemafill.drafter import Eagle3Head, load_head
+from schemafill.graphs import attach_head
 from schemafill.runtime import Target, causal_visibility, rope_tables
 
 
@@ -285,4 +286,7 @@ def load_runtime_head(folder: str | Path, target: Target) -> Eagle3Head:
     if list(head.config.aux_layer_ids) != want:
         raise ValueError(f"head at {folder} reads target layers {head.config.aux_layer_ids}, "
                          f"the runtime gives {want}: set model.aux_layer_ids to match")
-    return head.to(device=target.device, dtype=target.dtype).eval()
+    head = head.to(device=target.device, dtype=target.dtype).eval()
+    if target.graphs is not None:  # its draft steps replay graphs as the target's calls do
+        attach_head(head, target.graphs.capture)
+    return head

@@ -96,8 +96,8 @@ def test_padded_calls_give_the_unpadded_logits_features_and_kv():
 
 def test_decoders_over_bucketed_calls_equal_ar():
     plain, graphed, runner = pair("qwen2")
-    plain.hf_config = graphed.hf_config
     head = random_head(graphed, seed=5)
+    head_runner = graphs.attach_head(head, capture=False)
     tok = CharTokenizer(-1)
     rng = random.Random(1)
     for case in range(2):
@@ -109,8 +109,30 @@ def test_decoders_over_bucketed_calls_equal_ar():
             assert out.ids == ar.ids, (case, type(drafter).__name__)
     summary = runner.summary()
     assert summary["replayed_calls"] > 40 and len({rows for rows, _, _ in summary["buckets"]}) >= 3
+    assert head_runner.replays > 10
     gc.collect()
     assert runner.pool.rows <= 3  # each request's arena went back to the pool when its decode ended
+
+
+def test_head_draft_steps_over_buckets_draft_the_eager_trees():
+    """Lossless decoding does not show a wrong head step (any draft is verified): the trees do."""
+    plain, graphed, _ = pair("qwen2")
+    eager, bucketed = random_head(plain, seed=5), random_head(graphed, seed=5)
+    runner = graphs.attach_head(bucketed, capture=False)
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(40, 3 * plain.config.hidden_size, generator=g)
+    tokens = torch.randint(0, VOCAB, (44,), generator=g).tolist()
+    budget = TreeBudget(topk=3, depth=3, total=8)
+    drafters = [HeadDrafter(eager, budget), HeadDrafter(bucketed, budget)]
+    for d in drafters:
+        d.begin(64)
+    for done, new in ((0, 20), (20, 3), (23, 1), (24, 9)):  # a catch-up, then rounds accepting 2, 0 and 8
+        trees = [d.scored(tokens[:done + new + 1], features[done:done + new]) for d in drafters]
+        assert trees[1][:2] == trees[0][:2]  # tokens and parents
+        torch.testing.assert_close(torch.tensor(trees[1][2]), torch.tensor(trees[0][2]), rtol=1e-4, atol=1e-6)
+    n = 33
+    torch.testing.assert_close(drafters[1].arena.k[0][0, :, :n], drafters[0].arena.k[0][0, :, :n], rtol=0, atol=1e-5)
+    assert runner.replays >= 12 and runner.eager == 0
 
 
 def test_calls_no_bucket_covers_run_eagerly():
@@ -162,11 +184,13 @@ def test_modes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_graphs_replay_the_eager_decoders():
     plain, graphed, runner = pair("llama", "cuda")
-    plain.hf_config = graphed.hf_config
+    head = random_head(graphed, seed=5).cuda()
+    head_runner = graphs.attach_head(head, capture=True)
     tok = CharTokenizer(-1)
     prompt = list(range(3, 40))
     ar = decode_ar(plain, tok, prompt, 32, frozenset())
     assert decode_ar(graphed, tok, prompt, 32, frozenset()).ids == ar.ids
-    assert decode_tree(graphed, tok, prompt, 32, frozenset(), RandomTree(0), scratch=32).ids == ar.ids
+    for drafter in (RandomTree(0), HeadDrafter(head, TreeBudget(topk=3, depth=3, total=8))):
+        assert decode_tree(graphed, tok, prompt, 32, frozenset(), drafter, scratch=32).ids == ar.ids
     summary = runner.summary()
-    assert summary["captured"] >= 2 and summary["capture_s"] > 0
+    assert summary["captured"] >= 2 and summary["capture_s"] > 0 and head_runner.summary()["captured"] >= 2

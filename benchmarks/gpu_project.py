@@ -13,7 +13,12 @@ their milliseconds, the request's seconds and its tokens. Per request and method
 * **head** — its forwards × one head forward of the 7B shape on the device;
 * **host** — what the CPU run spent outside the target and the head (seconds − Σ call ms − head
   ms): Python, packing, parsing, selection; the same code runs on a GPU's host, shown apart
-  because on a device it is the part that does not shrink.
+  because on a device it is the part that does not shrink. With ``--host`` (the JSON of
+  ``gpu_check.py --lossless`` run on the device) each method's host milliseconds per call
+  measured on the device's host replace the CPU's, for the methods it ran.
+
+The costs are the default path's on the device: on CUDA the calls and head forwards replay CUDA
+graphs (``schemafill.graphs``; a prefill past the largest row bucket runs eagerly).
 
 The acceptance profile — how many calls, of how many rows, for how many tokens — is the CPU
 run's, with the trees a CPU's costs chose. Selection on the device would keep more rows
@@ -35,6 +40,7 @@ import torch
 from benchmarks.gpu_check import SHAPES, build
 from schemafill import atomic
 from schemafill.device import resolve_device, resolve_dtype
+from schemafill.graphs import attach_head, enable
 from schemafill.runtime import Target
 from schemafill.timing import median_ms
 
@@ -93,9 +99,10 @@ def head_cost(head, target: Target, repeats: int) -> float:
     return median_ms(lambda: head.logits(head.decode_step(tokens, hidden, pos, vis, pos, arena)[0]), dev, repeats)
 
 
-def project(bench: dict[str, list[dict]], verify: dict[int, float], prefill: dict[int, float], head_ms: float
-            ) -> dict[str, dict]:
-    """Per method: tokens, the projected seconds split into target / head / host, TPS and × AR."""
+def project(bench: dict[str, list[dict]], verify: dict[int, float], prefill: dict[int, float], head_ms: float,
+            host_ms: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per method: tokens, the projected seconds split into target / head / host, TPS and × AR.
+    ``host_ms``: a method's host milliseconds per call measured on the device, in place of the CPU run's."""
     lengths = sorted(prefill)
 
     def prefill_ms(p: int) -> float:  # linear between the timed lengths
@@ -111,11 +118,15 @@ def project(bench: dict[str, list[dict]], verify: dict[int, float], prefill: dic
             first, *calls = r["call_rows"]
             target += prefill_ms(first) + sum(verify[bucket(n)] for n in calls)
             head += r.get("head_forwards", 0) * head_ms
-            host += max(1e3 * r["seconds"] - sum(r["call_ms"]) - r.get("head_ms", 0.0), 0.0)
+            if host_ms and method in host_ms:
+                host += host_ms[method] * len(r["call_rows"])
+            else:
+                host += max(1e3 * r["seconds"] - sum(r["call_ms"]) - r.get("head_ms", 0.0), 0.0)
         seconds = (target + head + host) / 1e3
         out[method] = {"tokens": tokens, "target_s": round(target / 1e3, 3), "head_s": round(head / 1e3, 3),
                        "host_s": round(host / 1e3, 3),
                        "host_ms_per_call": round(host / sum(len(r["call_rows"]) for r in rows), 2),
+                       "host_measured_on": "device" if host_ms and method in host_ms else "cpu",
                        "tps": round(tokens / seconds, 2), "cpu_tps": round(tokens / sum(r["seconds"] for r in rows), 2)}
     if "ar" in out:
         for v in out.values():
@@ -124,7 +135,17 @@ def project(bench: dict[str, list[dict]], verify: dict[int, float], prefill: dic
     return out
 
 
-def run(bench_dir: str, shape: str = "qwen2.5-7b", repeats: int = 5) -> dict:
+def device_host_ms(path: str | None) -> dict[str, float] | None:
+    """Per method, host ms per call from ``gpu_check.py --lossless``'s JSON (its bf16 run, the
+    device's precision), or None without one."""
+    if path is None:
+        return None
+    report = json.loads(Path(path).read_text())
+    runs = report.get("bfloat16") or report.get("float32") or {}
+    return {m: v["host_ms_per_call"] for m, v in runs.items() if v.get("host_ms_per_call") is not None}
+
+
+def run(bench_dir: str, shape: str = "qwen2.5-7b", repeats: int = 5, host: str | None = None) -> dict:
     bench = read_bench(Path(bench_dir))
     device = resolve_device()
     dtype = resolve_dtype("auto", device)
@@ -137,13 +158,18 @@ def run(bench_dir: str, shape: str = "qwen2.5-7b", repeats: int = 5) -> dict:
     prompts = sorted(set(prefills[:: max(1, len(prefills) // 6)] + [prefills[-1]]))  # at most ~7 timed
     started = time.perf_counter()
     target, head = build(shape, device, dtype)
+    if enable(target, "auto") is not None:  # the default path: graphs on CUDA
+        attach_head(head, capture=True)
     verify, prefill = target_costs(target, context, sizes, prompts, repeats)
     h = head_cost(head, target, repeats)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
               f"cpu ({torch.backends.cpu.get_cpu_capability()})", "dtype": str(dtype), "shape": shape,
               "context": context, "verify_ms": {str(k): round(v, 3) for k, v in verify.items()},
               "prefill_ms": {str(k): round(v, 3) for k, v in prefill.items()}, "head_forward_ms": round(h, 3),
-              "methods": project(bench, verify, prefill, h), "device_seconds": round(time.perf_counter() - started, 1)}
+              "methods": project(bench, verify, prefill, h, device_host_ms(host)),
+              "graphs": None if target.graphs is None else {"target": target.graphs.summary(),
+                                                            "head": head.graphs.summary()},
+              "device_seconds": round(time.perf_counter() - started, 1)}
     return report
 
 
@@ -153,8 +179,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None, help="JSON report (default: <bench>/gpu_projection.json)")
+    ap.add_argument("--host", default=None, help="gpu_check.py --lossless's JSON from the device: its host ms per call")
     args = ap.parse_args()
-    report = run(args.bench, args.shape, args.repeats)
+    report = run(args.bench, args.shape, args.repeats, args.host)
     print(f"{report['device']}, {report['dtype']}, {report['shape']}-shaped random target; verify at "
           f"{report['context']} positions: " + ", ".join(f"c({k}) {v:.1f}" for k, v in report["verify_ms"].items())
           + f" ms; head forward {report['head_forward_ms']:.2f} ms")

@@ -182,6 +182,13 @@ def test_cost_aware_launch_is_lossless_interleaved_and_reports_its_cost_curve(tm
         assert v["tokens"] == metrics[m]["tokens"] and v["target_s"] > 0 and v["tps"] > 0
         assert (v["head_s"] > 0) == (m in ("eagle3", "schemafill"))
     assert report["prefill_ms"] and all(int(n) & (int(n) - 1) == 0 for n in report["verify_ms"])  # powers of two
+    # host time per call measured on a device (gpu_check --lossless) replaces the CPU's where given
+    host = tmp_path / "host.json"
+    host.write_text(json.dumps({"bfloat16": {"ar": {"host_ms_per_call": 1.5}}}))
+    on_device = project(str(tmp_path / "out"), shape="tiny", repeats=1, host=str(host))["methods"]
+    calls = sum(len(r["call_rows"]) for r in result["rows"]["ar"])
+    assert on_device["ar"]["host_s"] == round(1.5 * calls / 1e3, 3) and on_device["ar"]["host_measured_on"] == "device"
+    assert on_device["schemafill"]["host_measured_on"] == "cpu"
 
 
 def test_help_names_the_methods_and_the_node_selection():

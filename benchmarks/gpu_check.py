@@ -37,7 +37,7 @@ from schemafill import atomic
 from schemafill.device import resolve_device, resolve_dtype
 from schemafill.drafter import Eagle3Head, HeadConfig
 from schemafill.graphs import attach, attach_head
-from schemafill.runtime import RuntimeConfig, Target, rope_tables
+from schemafill.runtime import RuntimeConfig, Target, fuse, rope_tables
 from schemafill.timing import median_ms, sync
 
 SHAPES = {  # Qwen2.5-7B's published config, and a CPU-sized one for the smoke test
@@ -73,7 +73,7 @@ def build(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[Target,
         for name, p in head.named_parameters():
             if not name.startswith("embed_tokens"):
                 torch.nn.init.normal_(p, std=0.02)
-    return target, head.to(dtype).eval()
+    return fuse(target), head.to(dtype).eval()  # fused as ``load_target`` leaves a target
 
 
 def random_head(target: Target, hf, draft_vocab_size: int) -> Eagle3Head:

@@ -105,7 +105,7 @@ class ArenaPool:
             new[:old_rows, :, :old_capacity] = old
         self.k, self.v, self.rows, self.capacity = k, v, rows, capacity
         self.free = sorted(set(self.free) | set(range(max(old_rows, 1), rows)), reverse=True)
-        for row, ref in self.live.items():
+        for row, ref in list(self.live.items()):  # a collection may release a row meanwhile
             arena = ref()
             if arena is not None:
                 arena.k[:] = [t[row:row + 1] for t in k]

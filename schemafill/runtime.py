@@ -562,7 +562,10 @@ def load_target(folder: str | Path, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):  # every parameter is then assigned from the checkpoint: no random init
         target = Target(RuntimeConfig.from_hf(hf, aux_layer_ids), *tables, hf_config=hf)
     state = {k: v.to(dtype) for k, v in _checkpoint_state(folder).items()}
-    return tune(_install(target, state).to(device).eval())
+    target = _install(target, state).to(device).eval()
+    if target.device.type != "cpu":  # its weights are its own: Q/K/V and gate/up one product each, fewer launches
+        fuse(target)
+    return tune(target)
 
 
 def from_hf_model(model: Any, aux_layer_ids: list[int] | None = None) -> Target:
@@ -583,8 +586,8 @@ def tune(target: Target, cache_dir: Path | None = None) -> Target:
     """The CPU kernels of a freshly loaded target, after its Q/K/V and gate/up projections
     become one product each (fewer, larger calls): a bf16 target the batch-invariant ones where
     the host has them (``make_exact``: nothing to choose, so no probe), any other the fastest of
-    each by a timed probe. A GPU keeps its own kernels and the separate projections (fused ones
-    are copies beside a shared model's)."""
+    each by a timed probe. A GPU keeps its own kernels (``load_target`` fuses there; a target
+    sharing a ``transformers`` model's weights keeps them separate, as fused ones would be copies)."""
     if target.device.type != "cpu":
         return target
     fuse(target)

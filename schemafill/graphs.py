@@ -171,21 +171,24 @@ class Bucketed:
     def load(self, pool: ArenaPool, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
              logits_at: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
         """The call's inputs into the static ones, padded (``schemafill.graphs``)."""
-        n, dev = tokens.shape[0], self.tokens.device
+        n, rows, count = tokens.shape[0], self.tokens.shape[0], self.gather.shape[0]
         pool_rows = [pool.row_of(p.arena) for p in parts]
+        # what the host knows, in one copy: each row's pool row and each part's (padding: the
+        # scratch row), and without ``logits_at`` every row's logits
+        owners = [r for p, r in zip(parts, pool_rows) for _ in range(p.stop - p.start)]
+        every = list(range(n)) + [0] * (rows - n) if logits_at is None else []
+        known = torch.tensor(owners + [0] * (rows - n) + pool_rows + [0] * (count - len(parts)) + every)
+        self.write_rows.copy_(known[:rows])
+        self.gather.copy_(known[rows:rows + count])
+        if logits_at is None:
+            self.logits_at.copy_(known[rows + count:])
+        else:
+            self.logits_at[:logits_at.shape[0]], self.logits_at[logits_at.shape[0]:] = logits_at, 0
         self.tokens[:n], self.tokens[n:] = tokens, 0
         self.positions[:n], self.positions[n:] = positions, 0
         if hidden is not None:
             self.hidden[:n], self.hidden[n:] = hidden, 0
         self.write_slots[:n], self.write_slots[n:] = torch.cat([p.slots for p in parts]), 0
-        counts = torch.tensor([p.slots.shape[0] for p in parts], device=dev)
-        self.write_rows[:n] = torch.tensor(pool_rows, device=dev).repeat_interleave(counts)
-        self.write_rows[n:] = 0
-        self.gather.zero_()
-        self.gather[:len(parts)] = torch.tensor(pool_rows, device=dev)
-        k = n if logits_at is None else logits_at.shape[0]
-        self.logits_at[:k] = torch.arange(n, device=dev) if logits_at is None else logits_at
-        self.logits_at[k:] = 0
         visible = torch.zeros_like(self.visible)
         for i, p in enumerate(parts):
             s = p.visibility.shape[-1]

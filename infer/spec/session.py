@@ -240,8 +240,13 @@ class MainSession:
         first_tree = first + 1  # index of the first MAIN tree node in this call
         # the root and MAIN's tree [1 + m, V]: each node chooses among what the grammar allows
         # after its path, greedily or by an independent draw (exact speculative sampling)
-        main_choice = choose(logits[: main_rows - first], call.allowed, self.sampler)
-        side_choice = logits[main_rows - first:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
+        main_n = main_rows - first
+        if call.allowed is None and (self.sampler is None or self.sampler.greedy):
+            picked = logits.argmax(-1).tolist()  # MAIN's and SIDE's tokens in one read-back (a GPU waits for each)
+            main_choice, side_choice = picked[:main_n], picked[main_n:]
+        else:
+            main_choice = choose(logits[:main_n], call.allowed, self.sampler)
+            side_choice = logits[main_n:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
         self.counts.call_rows.append(rows)
         self.counts.call_ms.append(round(out.ms, 3))
         done = commit(tree_tokens, parents, main_choice, self.stop.push, call.allowed)
@@ -271,4 +276,4 @@ class MainSession:
             r, c = r + len(seg.tokens), c + seg.deciding
         return Verified(accepted=[call.index[i] for i in accepted], correction=done.correction, committed=done.taken,
                         extra_choices=extra_choices, extra_aux=extra_aux, main_tokens=call.tokens[first:main_rows],
-                        main_logits=logits[: main_rows - first], rows=out.rows, extra_rows=out.extra_rows, ms=out.ms)
+                        main_logits=logits[:main_n], rows=out.rows, extra_rows=out.extra_rows, ms=out.ms)

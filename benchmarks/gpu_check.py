@@ -196,6 +196,7 @@ def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
         metrics = result["metrics"]
         results[dtype] = {m: {**{k: metrics[m][k] for k in ("ar_agreement", "accept_length", "tps", "requests")},
                               "host_ms_per_call": host_ms_per_call(result["rows"][m])} for m in metrics}
+        results.setdefault("graphs", {})[dtype] = result["graphs"]
     return results
 
 

@@ -194,9 +194,13 @@ def run(cfg: InferConfig) -> dict:
         ms = sorted(1e3 * t for t in grammars.compile_seconds)
         print(f"[infer] response grammars: {len(ms)} catalogs compiled, median {ms[len(ms) // 2]:.1f} ms, "
               f"max {ms[-1]:.1f} ms (cached per catalog, outside the timed decode)")
+    graphs = None if target.graphs is None else target.graphs.summary()
+    if graphs is not None:
+        print(f"[infer] CUDA graphs: {graphs['captured']} captured in {graphs['capture_s']} s, "
+              f"{graphs['replayed_calls']} calls replayed, {graphs['eager_calls']} run eagerly")
     tracker = start_run(cfg.logger, to_dict(cfg), name=cfg.model.name, job_type="infer")
     try:
         tracker.summary({f"{m}/{k}": v for m, vals in metrics.items() for k, v in vals.items() if v is not None})
     finally:
         tracker.finish()
-    return {"metrics": metrics, "skipped": skipped, "out": str(out), "rows": outputs}
+    return {"metrics": metrics, "skipped": skipped, "out": str(out), "rows": outputs, "graphs": graphs}

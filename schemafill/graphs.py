@@ -37,7 +37,7 @@ from schemafill.config import GRAPH_MODES
 from schemafill.layers import apply_rotary_rolled, attend, mask_bias
 from schemafill.runtime import Forward, KVArena, Part, Target
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # more rows (a long prefill) run eagerly
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # more rows (a long prefill) run eagerly
 PART_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_WIDTH = 256  # the smallest width bucket; widths and the pool's capacity are powers of two from here
 

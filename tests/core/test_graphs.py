@@ -31,7 +31,7 @@ def pair(family: str = "llama", device: str = "cpu"):
 
 
 def test_buckets():
-    assert [bucket(n, ROW_BUCKETS) for n in (1, 2, 3, 5, 64, 65, 128, 129)] == [1, 2, 4, 8, 64, 128, 128, None]
+    assert [bucket(n, ROW_BUCKETS) for n in (1, 2, 3, 5, 64, 65, 129, 512, 513)] == [1, 2, 4, 8, 64, 128, 256, 512, None]
     assert [width_bucket(n, 4096) for n in (1, 256, 257, 1000, 1025, 5000)] == [256, 256, 512, 1024, 2048, 4096]
     assert width_bucket(3000, 2048) == 2048  # never past the pool's capacity
 
@@ -133,6 +133,51 @@ def test_head_draft_steps_over_buckets_draft_the_eager_trees():
     n = 33
     torch.testing.assert_close(drafters[1].arena.k[0][0, :, :n], drafters[0].arena.k[0][0, :, :n], rtol=0, atol=1e-5)
     assert runner.replays >= 12 and runner.eager == 0
+
+
+def test_batched_rounds_of_every_method_over_buckets_equal_each_alone(tiny_target):
+    """Several requests a round (SIDE rows and prompt pieces included), their parts bucketed into
+    one call: each ends as it ends alone on the eager target."""
+    from infer.spec import loop
+    from infer.spec.decoding import DecodeOptions, Runtime
+    from schemafill.models import load_tokenizer
+    from schemafill.prompt import prompt_ids
+    from schemafill.runtime import load_target
+    from tests.decoders.test_schemafill import CASES, request
+    from tests.spec.test_batch import methods
+
+    plain, graphed = (load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3]) for _ in range(2))
+    runner = graphs.attach(graphed, capture=False)
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    rt = Runtime(graphed, tok, eos, 16)
+    jobs = []
+    declared = methods(graphed, tok, eos, 16)
+    for k, method in enumerate(("ar", "eagle3", "toolspec", "schemafill")):
+        decoder, req = declared[method], request(list(CASES)[k])
+        ids = prompt_ids(req, "plain", tok)
+        make = (lambda ids=ids: loop.Stream(rt, ids, DecodeOptions(), loop.Drafting())) if decoder is None else \
+            (lambda decoder=decoder, req=req, ids=ids: decoder.stream(req, ids, DecodeOptions()))
+        jobs.append((method, make, decode_ar(plain, tok, ids, 16, eos)))
+    bucketed, parts_seen = runner.packed, []
+
+    def checked(tokens, positions, parts, logits_at):  # every bucketed call against the eager one
+        got = bucketed(tokens, positions, parts, logits_at)
+        if got is not None:
+            graphed.graphs = None  # the eager call rewrites the same keys and values
+            want = graphed.packed(tokens, positions, parts, logits_at)
+            graphed.graphs = runner
+            torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=2e-5)
+            torch.testing.assert_close(got.aux, want.aux, rtol=0, atol=2e-5)
+            parts_seen.append(len(parts))
+        return got
+
+    runner.packed = checked
+    ended = dict(loop.decode_all(graphed, [make for _, make, _ in jobs], 4, prefill_tokens=16))
+    for i, (method, _, alone) in enumerate(jobs):
+        assert ended[i].error is None and ended[i].decoded().ids == alone.ids, method
+    assert max(parts_seen) == 4 and len(parts_seen) > 10
+    assert runner.eager == 1  # the first round alone: whole prompts while nobody decodes, past the largest bucket
 
 
 def test_calls_no_bucket_covers_run_eagerly():

@@ -31,7 +31,8 @@ def pair(family: str = "llama", device: str = "cpu"):
 
 
 def test_buckets():
-    assert [bucket(n, ROW_BUCKETS) for n in (1, 2, 3, 5, 64, 65, 129, 512, 513)] == [1, 2, 4, 8, 64, 128, 256, 512, None]
+    rows = (1, 2, 3, 5, 64, 65, 129, 512, 513)
+    assert [bucket(n, ROW_BUCKETS) for n in rows] == [1, 2, 4, 8, 64, 128, 256, 512, None]
     assert [width_bucket(n, 4096) for n in (1, 256, 257, 1000, 1025, 5000)] == [256, 256, 512, 1024, 2048, 4096]
     assert width_bucket(3000, 2048) == 2048  # never past the pool's capacity
 

@@ -18,10 +18,11 @@ tensor's shape and address, so three things make one graph serve many calls:
   scratch row and are masked for everyone. A real row's logits, features and KV are those of
   the unpadded call: rows interact only through attention, and no real row sees a padded one.
 
-Calls the buckets do not cover (a prefill longer than the largest row bucket, an arena not
-from the pool, a batch-row ``Target.forward``) run eagerly as before. Without CUDA nothing is
-captured: ``Graphs(target, capture=False)`` runs the same padded calls eagerly, which is how
-the CPU tests check everything but the capture itself.
+The EAGLE-3 head's draft steps are bucketed the same way over a pool of their own
+(``HeadGraphs``). Calls the buckets do not cover (a prefill longer than the largest row bucket,
+an arena not from the pool, a batch-row ``Target.forward``) run eagerly as before. Without CUDA
+nothing is captured: ``attach(target, capture=False)`` runs the same padded calls eagerly,
+which is how the CPU tests check everything but the capture itself.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def width_bucket(n: int, capacity: int) -> int:
     while width < n:
         width *= 2
     return min(width, capacity)
-
 
 
 class ArenaPool:

@@ -48,12 +48,10 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def width_bucket(n: int, capacity: int) -> int:
-    """The power of two ≥ ``n`` (at least ``MIN_WIDTH``), at most ``capacity``."""
-    width = MIN_WIDTH
-    while width < n:
-        width *= 2
-    return min(width, capacity)
+def width_bucket(n: int, capacity: int | None = None) -> int:
+    """The power of two ≥ ``n`` (at least ``MIN_WIDTH``), at most ``capacity`` when given."""
+    width = max(MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
+    return width if capacity is None else min(width, capacity)
 
 
 class ArenaPool:
@@ -73,11 +71,11 @@ class ArenaPool:
         self.rows, self.capacity, self.generation = 0, 0, 0
         self.free: list[int] = []
         self.live: dict[int, weakref.ref] = {}
-        self._allocate(rows + 1, width_bucket(capacity, 1 << 62))
+        self._allocate(rows + 1, width_bucket(capacity))
 
     def take(self, capacity: int) -> KVArena:
         if capacity > self.capacity:
-            self._allocate(self.rows, width_bucket(capacity, 1 << 62))
+            self._allocate(self.rows, width_bucket(capacity))
         if not self.free:
             self._allocate(2 * self.rows - 1, self.capacity)
         row = self.free.pop()
@@ -168,11 +166,11 @@ class Bucketed:
         return cls(*z, torch.zeros(parts, dtype=torch.long, device=device),
                    torch.zeros(rows, parts * width, dtype=torch.bool, device=device), width, features)
 
-    def load(self, pool: ArenaPool, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
+    def load(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part], pool_rows: list[int],
              logits_at: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
-        """The call's inputs into the static ones, padded (``schemafill.graphs``)."""
+        """The call's inputs into the static ones, padded (``schemafill.graphs``); ``pool_rows``:
+        each part's row of the pool."""
         n, rows, count = tokens.shape[0], self.tokens.shape[0], self.gather.shape[0]
-        pool_rows = [pool.row_of(p.arena) for p in parts]
         # what the host knows, in one copy: each row's pool row and each part's (padding: the
         # scratch row), and without ``logits_at`` every row's logits
         owners = [r for p, r in zip(parts, pool_rows) for _ in range(p.stop - p.start)]
@@ -233,7 +231,8 @@ class Runner:
         k = n if logits_at is None else logits_at.shape[0]
         rows, count = bucket(max(n, k), ROW_BUCKETS), bucket(len(parts), PART_BUCKETS)
         pool = self.pool
-        if rows is None or count is None or pool is None or any(pool.row_of(p.arena) is None for p in parts):
+        pool_rows = [] if pool is None else [pool.row_of(p.arena) for p in parts]
+        if rows is None or count is None or pool is None or None in pool_rows:
             self.eager += 1
             return None
         if pool.generation != self.generation:  # the pool grew: its storage moved under the graphs
@@ -245,7 +244,7 @@ class Runner:
         if b is None:
             features = (self.hidden_size, self.dtype) if self.hidden_size else None
             b = self.calls[key] = Bucketed.empty(rows, count, width, tokens.device, features)
-        b.load(pool, tokens, positions, parts, logits_at, hidden)
+        b.load(tokens, positions, parts, pool_rows, logits_at, hidden)
         self.replays += 1
         if not self.capture:
             return self.step(b, b.gathered(pool, self.dtype))

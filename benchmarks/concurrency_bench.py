@@ -32,8 +32,8 @@ from infer.serving.app import serve_while
 from infer.serving.engine import Engine
 from schemafill import atomic
 from schemafill.config import ServeConfig, compose_config
-from schemafill.device import host_summary
-from schemafill.records import read_requests
+from schemafill.contract.records import read_requests
+from schemafill.runtime import host
 
 METHODS = "ar,eagle3,ngram,suffix,toolspec,schemafill"
 
@@ -142,8 +142,8 @@ def main() -> None:
                   for i, a in enumerate(r["answers"]) if a != reference[m][i]
                   or "ar" in reference and a != reference["ar"][i]]
     errors = [e for rs in runs.values() for r in rs for e in r["errors"]]
-    host = host_summary()
-    where = f"{host['cpu_model']} ({host['cpu_capability']}, {host['torch_threads']} threads)"
+    machine = host.summary()
+    where = f"{machine['cpu_model']} ({machine['cpu_capability']}, {machine['torch_threads']} threads)"
     print(f"{'method':<11} {'clients':>7} {'tok/s':>7} {'x1 client':>9} {'xAR':>6} {'p50 s':>7} {'p95 s':>7}")
     table = {}
     for m, rs in runs.items():
@@ -160,7 +160,7 @@ def main() -> None:
     out = Path(args.out)
     atomic.write_json(out, {"methods": table, "requests": [r.id for r in requests], "clients": levels,
                             "same_answers": not mismatches, "mismatches": mismatches, "errors": errors,
-                            "host": host, "torch": torch.__version__,
+                            "host": machine, "torch": torch.__version__,
                             "config": {"methods": methods, "max_batch": most, "overrides": overrides}})
     plot(table, out.with_suffix(".png"), where)
     print(f"[concurrency-bench] {len(requests)} requests at {levels} clients; host {where}; wrote {out} and "

@@ -21,9 +21,10 @@ import torch
 
 from infer.pricing.cost_model import verification_calls
 from schemafill import atomic
-from schemafill.device import host_summary
-from schemafill.runtime import Target, load_target
-from schemafill.timing import alternating_ms, median_ms
+from schemafill.runtime import host
+from schemafill.runtime.loading import load_target
+from schemafill.runtime.model import Target
+from schemafill.runtime.timing import alternating_ms, median_ms
 
 SIZES = (1, 4, 16, 32, 64)
 CONTEXTS = (128, 512, 1536)
@@ -80,9 +81,9 @@ def run(folder: Path, dtypes: list[torch.dtype], contexts: tuple[int, ...], size
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "context": context, "rows": n,
                              "ours_ms": round(ms[i], 2), "hf_ms": None if hf is None else round(hf, 2),
                              "bound_ms": round(bound_ms, 2), "x_bound": round(ms[i] / bound_ms, 2),
-                             "products": target.products, "fold_groups": target.fold_groups})
+                             "backend": target.runs_on().summary()})
         del target, model
-    return {"host": host_summary(), "read_gb_s": round(bandwidth, 1), "target": str(folder), "rows": rows}
+    return {"host": host.summary(), "read_gb_s": round(bandwidth, 1), "target": str(folder), "rows": rows}
 
 
 def table(result: dict) -> str:

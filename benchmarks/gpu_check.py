@@ -8,7 +8,7 @@ Builds a random-init Qwen2.5-7B-shaped target in bf16 directly on the device (no
 reports: the device's copy bandwidth (read + write) and the bytes a one-token forward streams
 (every weight but the input embedding), hence the bound on a token's time; c(n), the time of a
 call of n = 1, 2, 4, …, 128 rows after 1024 and 4096 positions, eager and from the graphs
-(``schemafill.graphs``, the default on CUDA) with their capture time; then AR and EAGLE-3 (a
+(``schemafill.runtime.backends.cuda_graphs``, the default on CUDA) with their capture time; then AR and EAGLE-3 (a
 random head: acceptance ~1, so this measures drafting and verification overhead) decoding a
 few random prompts on both paths, with the host milliseconds per round outside the target
 and head calls. Prints tables and writes JSON. ``--shape tiny`` runs the same code on a CPU in
@@ -31,14 +31,14 @@ from pathlib import Path
 import torch
 
 from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
-from infer.spec import loop
-from infer.spec.decoding import DecodeOptions, Runtime
+from infer.rounds import loop
+from infer.rounds.decoding import DecodeOptions, Runtime
 from schemafill import atomic
-from schemafill.device import resolve_device, resolve_dtype
-from schemafill.drafter import Eagle3Head, HeadConfig
-from schemafill.graphs import attach, attach_head
-from schemafill.runtime import RuntimeConfig, Target, fuse, rope_tables
-from schemafill.timing import median_ms, sync
+from schemafill.runtime.backends import cuda_graphs, eager
+from schemafill.runtime.device import resolve_device, resolve_dtype
+from schemafill.runtime.drafter import Eagle3Head, HeadConfig
+from schemafill.runtime.model import RuntimeConfig, Target, rope_tables
+from schemafill.runtime.timing import median_ms, sync
 
 SHAPES = {  # Qwen2.5-7B's published config, and a CPU-sized one for the smoke test
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -73,7 +73,7 @@ def build(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[Target,
         for name, p in head.named_parameters():
             if not name.startswith("embed_tokens"):
                 torch.nn.init.normal_(p, std=0.02)
-    return fuse(target), head.to(dtype).eval()  # fused as ``load_target`` leaves a target
+    return target.fuse(), head.to(dtype).eval()  # fused as ``load_target`` leaves a target
 
 
 def random_head(target: Target, hf, draft_vocab_size: int) -> Eagle3Head:
@@ -109,9 +109,11 @@ def streamed_bytes(target: Target) -> int:
 def call_costs(target: Target, context: int, rows: list[int], repeats: int) -> dict[str, dict[int, float]]:
     """ms of a call of n rows (a chain after ``context`` positions, logits at every row) for each n
     in ``rows``: ``eager`` and ``graph`` (the target's graphs; ``capture_s`` the seconds their
-    capture took). Needs ``graphs.attach`` on the target; leaves it attached."""
+    capture took). Needs the graphs backend on the target; leaves it there."""
     dev, vocab = target.device, target.config.vocab_size
-    runner = target.graphs
+    graphs = target.runs_on()
+    assert isinstance(graphs, cuda_graphs.CudaGraphs), "call_costs times a target on the graphs backend"
+    runner = graphs.runner
     width = context + max(rows)
     arena = target.new_arena(1, width)  # a row of the graphs' pool: both paths read it
     ids = torch.randint(0, vocab, (1, width), device=dev)
@@ -124,11 +126,11 @@ def call_costs(target: Target, context: int, rows: list[int], repeats: int) -> d
              for n in rows}
     out: dict[str, dict] = {"eager": {}, "graph": {}}
     try:
-        target.graphs = None
+        target.backend = graphs.eager
         for n, call in calls.items():
             out["eager"][n] = median_ms(call, dev, repeats)
     finally:
-        target.graphs = runner
+        target.backend = graphs
     before = sum(b.capture_s for b in runner.calls.values())
     for n, call in calls.items():
         out["graph"][n] = median_ms(call, dev, repeats)
@@ -170,8 +172,8 @@ def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
 
     from infer.eval.launch import run
     from schemafill.config import InferConfig, compose_config
-    from schemafill.drafter import save_head
-    from schemafill.runtime import load_target
+    from schemafill.runtime.drafter import save_head
+    from schemafill.runtime.loading import load_target
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
@@ -196,7 +198,7 @@ def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
         metrics = result["metrics"]
         results[dtype] = {m: {**{k: metrics[m][k] for k in ("ar_agreement", "accept_length", "tps", "requests")},
                               "host_ms_per_call": host_ms_per_call(result["rows"][m])} for m in metrics}
-        results.setdefault("graphs", {})[dtype] = result["graphs"]
+        results.setdefault("backend", {})[dtype] = result["backend"]
     return results
 
 
@@ -211,7 +213,8 @@ def check(shape: str, device: torch.device, dtype: torch.dtype, contexts: list[i
     """Every figure of the module docstring, printed as it comes; the report."""
     t0 = time.perf_counter()
     target, head = build(shape, device, dtype)
-    runner, head_runner = attach(target, capture=device.type == "cuda"), attach_head(head, device.type == "cuda")
+    graphs = target.backend = cuda_graphs.build(target, eager.build(target), capture=device.type == "cuda")
+    head.steps = head_runner = graphs.draft_steps(head)
     gbs, streamed = copy_gbs(device), streamed_bytes(target)
     bound = streamed / gbs / 1e6
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
@@ -236,9 +239,9 @@ def check(shape: str, device: torch.device, dtype: torch.dtype, contexts: list[i
     report["decode"] = {}
     for path in ("graph", "eager"):
         if path == "eager":
-            target.graphs = head.graphs = None
+            target.backend, head.steps = graphs.eager, None
         report["decode"][path] = decode_runs(target, head, texts, new_tokens)
-    target.graphs, head.graphs = runner, head_runner
+    target.backend, head.steps = graphs, head_runner
     print(f"{'path':>6} {'method':>8} {'AL':>6} {'tok/s':>8} {'host ms/round':>14}")
     for path, methods in report["decode"].items():
         for name, v in methods.items():
@@ -248,7 +251,7 @@ def check(shape: str, device: torch.device, dtype: torch.dtype, contexts: list[i
     # near-ties differently: a False here on a GPU is a numerics finding to look at, on a CPU a bug
     report["lossless"] = all(x == ids[0] for x in ids)
     print(f"EAGLE-3 (random head) and both paths' tokens equal AR's: {report['lossless']}")
-    report["graphs"] = {"target": runner.summary(), "head": head_runner.summary()}
+    report["graphs"] = {"target": graphs.summary(), "head": head_runner.summary()}
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 

@@ -18,7 +18,7 @@ their milliseconds, the request's seconds and its tokens. Per request and method
   measured on the device's host replace the CPU's, for the methods it ran.
 
 The costs are the default path's on the device: on CUDA the calls and head forwards replay CUDA
-graphs (``schemafill.graphs``; a prefill past the largest row bucket runs eagerly).
+graphs (``schemafill.runtime.backends.cuda_graphs``; a prefill past the largest row bucket runs eagerly).
 
 The acceptance profile — how many calls, of how many rows, for how many tokens — is the CPU
 run's, with the trees a CPU's costs chose. Selection on the device would keep more rows
@@ -39,10 +39,10 @@ import torch
 
 from benchmarks.gpu_check import SHAPES, build
 from schemafill import atomic
-from schemafill.device import resolve_device, resolve_dtype
-from schemafill.graphs import attach_head, enable
-from schemafill.runtime import Target
-from schemafill.timing import median_ms
+from schemafill.runtime import backends
+from schemafill.runtime.device import resolve_device, resolve_dtype
+from schemafill.runtime.model import Target
+from schemafill.runtime.timing import median_ms
 
 
 def read_bench(folder: Path) -> dict[str, list[dict]]:
@@ -158,8 +158,8 @@ def run(bench_dir: str, shape: str = "qwen2.5-7b", repeats: int = 5, host: str |
     prompts = sorted(set(prefills[:: max(1, len(prefills) // 6)] + [prefills[-1]]))  # at most ~7 timed
     started = time.perf_counter()
     target, head = build(shape, device, dtype)
-    if enable(target, "auto") is not None:  # the default path: graphs on CUDA
-        attach_head(head, capture=True)
+    backends.attach(target, "auto")  # the default path: graphs on CUDA
+    head.steps = target.runs_on().draft_steps(head)
     verify, prefill = target_costs(target, context, sizes, prompts, repeats)
     h = head_cost(head, target, repeats)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
@@ -167,8 +167,7 @@ def run(bench_dir: str, shape: str = "qwen2.5-7b", repeats: int = 5, host: str |
               "context": context, "verify_ms": {str(k): round(v, 3) for k, v in verify.items()},
               "prefill_ms": {str(k): round(v, 3) for k, v in prefill.items()}, "head_forward_ms": round(h, 3),
               "methods": project(bench, verify, prefill, h, device_host_ms(host)),
-              "graphs": None if target.graphs is None else {"target": target.graphs.summary(),
-                                                            "head": head.graphs.summary()},
+              "backend": target.runs_on().summary(),
               "device_seconds": round(time.perf_counter() - started, 1)}
     return report
 

@@ -23,15 +23,15 @@ from collections import defaultdict
 import torch
 from tqdm.auto import tqdm
 
-from infer.spec.decoding import DecodeOptions
-from infer.serving.message import message
-from infer.spec.sampling import Sampler
+from infer.rounds.decoding import DecodeOptions
+from infer.rounds.sampling import Sampler
 from infer.serving.app import serve_while
 from infer.serving.engine import Engine
+from infer.serving.message import message
 from schemafill import atomic
 from schemafill.config import ServeConfig, compose_config
-from schemafill.device import host_summary
-from schemafill.records import read_requests
+from schemafill.contract.records import read_requests
+from schemafill.runtime import host
 
 
 def bench(engine: Engine, requests: list, methods: list[str]) -> dict:
@@ -117,10 +117,10 @@ def main() -> None:
         first = f"{v['mean_first_token_s']:11.2f}" if v["mean_first_token_s"] is not None else "          -"
         print(f"{m:<12} {v['direct_tps']:12.1f} {v['http_tps']:11.1f} {v['stream_tps']:12.1f} "
               f"{v['http_over_direct']:11.3f} {v['overhead_ms']:11.1f} {first} {str(v['same_tokens']):>5}")
-    host = host_summary()
-    print(f"[serve-bench] {len(requests)} requests; host {host['cpu_model']} ({host['cpu_capability']}, "
-          f"{host['torch_threads']} threads); wrote {args.out}")
-    atomic.write_json(args.out, {"methods": result, "requests": len(requests), "host": host,
+    machine = host.summary()
+    print(f"[serve-bench] {len(requests)} requests; host {machine['cpu_model']} ({machine['cpu_capability']}, "
+          f"{machine['torch_threads']} threads); wrote {args.out}")
+    atomic.write_json(args.out, {"methods": result, "requests": len(requests), "host": machine,
                                  "torch": torch.__version__, "config": {"methods": methods, "overrides": overrides}})
     if not all(v["same_tokens"] for v in result.values()):
         raise SystemExit("the HTTP path returned other tokens than the in-process decode: a bug")

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from schemafill import atomic
-from schemafill.device import host_summary
+from schemafill.runtime import host
 
 CONFIGS = "ar,ngram,suffix,schemafill"
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,8 +54,8 @@ def prompts(artifacts: Path, limit: int, model_name: str) -> tuple[list[str], li
     from transformers import AutoTokenizer
 
     from schemafill.config import ModelConfig
-    from schemafill.prompt import model_prompt_ids
-    from schemafill.records import read_requests
+    from schemafill.contract.prompt import model_prompt_ids
+    from schemafill.contract.records import read_requests
 
     model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                                 OmegaConf.load(ROOT / "conf" / "model" / f"{model_name}.yaml")))
@@ -80,7 +80,7 @@ def counters(llm) -> dict[str, float]:
 def response_lengths(outputs: list[list[int]], tokenizer, fmt, eos: frozenset[int], cap: int) -> list[int]:
     """Where each response ends by the pipeline's stopping rule (a self-closing format's close,
     EOS, the cap): vLLM knows only EOS, and past a closed JSON object a target writes on."""
-    from schemafill.stopping import ResponseStop
+    from schemafill.contract.stopping import ResponseStop
 
     lengths = []
     for ids in outputs:
@@ -96,7 +96,7 @@ def run_config(name: str, args: argparse.Namespace, lengths: list[int] | None) -
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from schemafill.stopping import eos_token_ids
+    from schemafill.contract.stopping import eos_token_ids
 
     ids, prompt_ids, target, model = prompts(Path(args.artifacts), args.limit, args.model)
     started = time.perf_counter()
@@ -201,7 +201,7 @@ def main() -> None:
                      r["together"]["tps"] / ar["together"]["tps"], r["together"]["al"],
                      None if same is None else f"{same}/{len(r['outputs'])}, {same_together}/{len(r['outputs_together'])}",
                      r["startup_s"]))
-    out = {"host": host_summary(), "configs": results, "errors": errors,
+    out = {"host": host.summary(), "configs": results, "errors": errors,
            "args": {k: v for k, v in vars(args).items() if k not in ("one", "lengths", "result")}}
     path = Path(args.out)
     atomic.write_json(path, out)

@@ -7,7 +7,7 @@
   parsed with ``ast``. Multi-turn records contribute their first turn.
 * **Glaive function calling** through ``datasets`` (hub id or local path): one request per
   assistant ``<functioncall>`` decision point, with the conversation before it as context.
-* **JSONL** of the user's own requests in OpenAI ``tools`` format (``schemafill.records``).
+* **JSONL** of the user's own requests in OpenAI ``tools`` format (``schemafill.contract.records``).
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import re
 import sys
 from importlib import metadata
-import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from schemafill.records import RejectLog
-from schemafill.toolcall import InvalidRequest, ToolCall, ToolRequest, normalize_schema
+from schemafill.contract import schemas
+from schemafill.contract.records import RejectLog, json_lines
+from schemafill.contract.toolcall import InvalidRequest, ToolCall, ToolRequest
 
 BFCL_SOURCE = "bfcl_v3"
 GLAIVE_SOURCE = "glaive"
@@ -79,25 +80,13 @@ def bfcl_categories(data_dir: Path) -> list[str]:
     return sorted(p.stem.removeprefix("BFCL_v3_") for p in data_dir.glob("BFCL_v3_*.json"))
 
 
-def _read_json_lines(path: Path) -> Iterable[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield lineno, line
-
-
 def load_bfcl(data_dir: Path, categories: Iterable[str], log: RejectLog) -> list[ToolRequest]:
     """Every request of the given BFCL categories, with references where BFCL has them."""
     out = []
     for category in categories:
         path = data_dir / f"BFCL_v3_{category}.json"
         answers = _bfcl_answers(data_dir / "possible_answer" / path.name)
-        for lineno, line in _read_json_lines(path):
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                log.add(str(path), lineno, None, f"not JSON: {e}")
-                continue
+        for lineno, record in json_lines(path, log):
             if not isinstance(record, dict):
                 log.add(str(path), lineno, None, f"record is a {type(record).__name__}, not an object")
                 continue
@@ -112,7 +101,7 @@ def load_bfcl(data_dir: Path, categories: Iterable[str], log: RejectLog) -> list
 def _bfcl_answers(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
-    return {rec["id"]: rec["ground_truth"] for rec in (json.loads(line) for _, line in _read_json_lines(path))}
+    return {rec["id"]: rec["ground_truth"] for _, rec in json_lines(path)}
 
 
 def _bfcl_request(record: dict, rid: str, category: str, answers: dict, data_dir: Path) -> ToolRequest:
@@ -156,7 +145,7 @@ def _multi_turn_functions(record: dict, data_dir: Path) -> list[dict]:
         doc = data_dir / "multi_turn_func_doc" / _MULTI_TURN_DOCS.get(cls, "")
         if not doc.is_file():
             raise InvalidRequest(f"no function doc for class {cls!r}")
-        functions += [json.loads(line) for _, line in _read_json_lines(doc)]
+        functions += [fn for _, fn in json_lines(doc)]
     return [fn for fn in functions if fn.get("name") not in missed]
 
 
@@ -298,7 +287,7 @@ def _glaive_functions(system: str) -> list[dict]:
             i = system.find("{", i + 1)
             continue
         if isinstance(obj, dict) and "name" in obj:
-            obj["parameters"] = normalize_schema(obj.get("parameters", {"type": "object", "properties": {}}))
+            obj["parameters"] = schemas.normalize(obj.get("parameters", {"type": "object", "properties": {}}))
             out.append(obj)
         i = system.find("{", end)
     return out

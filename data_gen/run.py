@@ -12,13 +12,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from data_gen.continuations import build_continuations
 from data_gen.corpora import bfcl_categories, bfcl_data_dir, bfcl_version, load_bfcl, load_glaive
-from data_gen.generate import build_continuations
 from data_gen.splits import make_splits
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
+from schemafill.contract.records import RejectLog, read_requests, write_requests
 from schemafill.fingerprint import fingerprint, load_if_fresh, write_manifest
-from schemafill.records import RejectLog, read_requests, write_requests
 from schemafill.tracking import NullTracker, Tracker
 
 

@@ -1,4 +1,4 @@
-"""Evaluation sets and the training pool (DESIGN §2).
+"""Evaluation sets and the training pool (docs/design.md, "Contracts").
 
 * ``bfcl450``: BFCL v3 ``exec_parallel`` (50) + ``parallel`` (200) + ``parallel_multiple`` (200).
 * ``glaive650``: 650 Glaive conversations drawn with a seeded RNG, one eligible decision
@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from data_gen.corpora import BFCL_SOURCE
-from schemafill.toolcall import ToolRequest, normalized_text
+from schemafill.contract.toolcall import ToolRequest, normalized_text
 
 BFCL450_CATEGORIES = ("exec_parallel", "parallel", "parallel_multiple")
 BFCL450_SIZE = 450

@@ -14,9 +14,10 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from schemafill.response_format import FORMATS, ResponseFormat
+from schemafill.contract.response_format import FORMATS, ResponseFormat
 
 STAGES = ("requests", "target", "continuations", "head", "eval")
+BACKENDS = ("auto", "eager", "batch_invariant", "compiled", "cuda_graphs")  # runtime/backends: what runs a target
 
 
 @dataclass
@@ -28,6 +29,10 @@ class ModelConfig:
     # auto: bf16 on CUDA; on a CPU a timed probe picks for data generation, fp32 verifies drafts;
     # or float32 / bfloat16 / float16 everywhere
     dtype: str = "auto"
+    # what executes the target's calls (schemafill/runtime/backends): auto = CUDA graphs on a GPU, a
+    # CPU's bf16 on the batch-invariant kernels, else eager or compiled by a timed probe; or one of
+    # eager | batch_invariant | compiled | cuda_graphs
+    backend: str = "auto"
     # EAGLE-3 inputs: HF `hidden_states[i]`, i.e. the *input* of decoder layer i (SGLang counts one lower)
     aux_layer_ids: list[int] = MISSING
     # plain | chat (our instructions in the target's chat template) | tools (the catalog as tools= to
@@ -50,6 +55,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.response_format not in FORMATS:
             raise ValueError(f"model.response_format must be one of {sorted(FORMATS)}, got {self.response_format!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"model.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.prompt_style == "tools" and self.response_format == "json":
             raise ValueError("model.prompt_style=tools prompts with the target's own tool format; the json format is "
                              "ours and asked for in prompt_style plain or chat (or set model.response_format=hermes)")
@@ -133,14 +140,13 @@ class ToolSpecConfig:
 
 
 SELECT_MODES = ("cost", "fixed")
-GRAPH_MODES = ("auto", "on", "off")
 CONSTRAIN_MODES = ("none", "schema", "prune")
 ABLATIONS = ("A", "B", "C", "D")  # SchemaFill's stages (paper Table 2)
 
 
 @dataclass
 class DecodeConfig:
-    temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling (infer/spec/sampling.py)
+    temperature: float = 0.0  # 0 = greedy; > 0 = exact speculative sampling (infer/rounds/sampling.py)
     top_p: float = 1.0  # nucleus of the target's distribution when sampling (1 = off)
     seed: int = 0
     max_new_tokens: int = 512
@@ -168,9 +174,6 @@ class DecodeConfig:
     # goes (the default); a number fixes it, so the nodes kept no longer depend on timing and
     # two launches verify the same trees (infer/eval/behaviour.py)
     host_ms: float | None = None
-    # CUDA graphs of the target's decode and verification calls (schemafill/graphs.py): auto = on a
-    # CUDA target; on (a CUDA target, else an error); off = eager launches
-    cuda_graphs: str = "auto"
     # the training-free peers' own settings
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
@@ -183,8 +186,6 @@ class DecodeConfig:
             raise ValueError(f"decode.ablation must be one of {ABLATIONS}, got {self.ablation!r}")
         if self.select not in SELECT_MODES:
             raise ValueError(f"decode.select must be one of {SELECT_MODES}, got {self.select!r}")
-        if self.cuda_graphs not in GRAPH_MODES:
-            raise ValueError(f"decode.cuda_graphs must be one of {GRAPH_MODES}, got {self.cuda_graphs!r}")
         if self.host_ms is not None and self.host_ms < 0:
             raise ValueError(f"decode.host_ms must be null (measured) or >= 0, got {self.host_ms}")
         if self.chain_head_depth < 0:

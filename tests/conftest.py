@@ -128,9 +128,9 @@ def accelerate_launch(processes: int, script: str, *args: str, timeout: int = 12
 # ---------------------------------------------------------------- decoding through the one loop
 def decode_ar(target, tokenizer, prompt, max_new_tokens, eos, sampler=None, constraint=None, fmt=None):
     """Greedy (or sampled) AR: the round loop with a policy that proposes nothing."""
-    from infer.spec import loop
-    from infer.spec.decoding import DecodeOptions, Runtime
-    from schemafill.response_format import JSON
+    from infer.rounds import loop
+    from infer.rounds.decoding import DecodeOptions, Runtime
+    from schemafill.contract.response_format import JSON
 
     rt = Runtime(target, tokenizer, frozenset(eos), max_new_tokens, fmt or JSON)
     return loop.decode(rt, prompt, DecodeOptions(sampler, constraint), loop.Drafting())
@@ -148,7 +148,7 @@ class Drafts:
         self.drafter.start(s.layout.positions)
 
     def propose(self, s):
-        from infer.spec.candidates import Candidates
+        from infer.rounds.candidates import Candidates
 
         return Candidates.tree(*self.drafter.draft(s.tokens, s.new_aux), "draft")
 
@@ -159,9 +159,9 @@ class Drafts:
 def decode_tree(target, tokenizer, prompt, max_new_tokens, eos, drafter, scratch=64, sampler=None, constraint=None,
                 budget=None, fmt=None):
     """Every round, what ``drafter`` proposes (a loop proposer, or a test drafter), priced by ``budget``."""
-    from infer.spec import loop
-    from infer.spec.decoding import DecodeOptions, Runtime
-    from schemafill.response_format import JSON
+    from infer.rounds import loop
+    from infer.rounds.decoding import DecodeOptions, Runtime
+    from schemafill.contract.response_format import JSON
 
     rt = Runtime(target, tokenizer, frozenset(eos), max_new_tokens, fmt or JSON)
     proposer = drafter if hasattr(drafter, "propose") else Drafts(drafter)

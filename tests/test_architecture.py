@@ -1,7 +1,8 @@
 """The architecture, read off the imports: no module imports itself through others (no
 circle), every arrow between rooms points down (decoders → slots → proposers → pricing →
-spec → the ``schemafill`` core), stage packages import the core and never each other's
-internals, and pure modules import only torch and the standard library."""
+rounds → the ``schemafill`` core; inside the core, runtime → config → contract → plumbing),
+stage packages import the core and never each other's internals, the model and its storage
+never reach a backend, and pure modules import only torch and the standard library."""
 
 from __future__ import annotations
 
@@ -15,13 +16,22 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("schemafill", "data_gen", "train", "infer", "benchmarks")
 
 # the rooms of infer/, lowest first: a module may import its own room and the ones below it
-ROOMS = ["infer.spec", "infer.pricing", "infer.proposers", "infer.slots", "infer.decoders"]
+ROOMS = ["infer.rounds", "infer.pricing", "infer.proposers", "infer.slots", "infer.decoders"]
 TOP = {"infer.eval", "infer.serving", "infer.vllm"}  # above every room, and apart: none imports another
 ENTRIES = {"infer.run", "infer.serve", "train.run"}  # entry scripts: may import what they run
-PURE = {"infer.spec.tree", "infer.spec.verify", "infer.spec.commit", "infer.spec.sampling", "infer.spec.arena",
-        "infer.spec.candidates", "infer.spec.share", "infer.pricing.selection", "infer.pricing.acceptance",
-        "infer.proposers.lookup",
-        "schemafill.losses"}
+PURE = {"infer.rounds.tree", "infer.rounds.verify", "infer.rounds.commit", "infer.rounds.sampling",
+        "infer.rounds.arena", "infer.rounds.candidates", "infer.rounds.share", "infer.pricing.selection",
+        "infer.pricing.acceptance", "infer.proposers.lookup", "schemafill.runtime.layers", "schemafill.contract.schemas",
+        "train.losses"}
+# the core's rooms, lowest first: a module may import its own room and the ones below it
+CORE = ["schemafill.atomic", "schemafill.fingerprint", "schemafill.contract", "schemafill.config",
+        "schemafill.tracking", "schemafill.runtime"]
+BACKENDS = "schemafill.runtime.backends"
+FALLBACK = "schemafill.runtime.backends.eager"  # what the other backends run the calls they do not cover on
+# what a backend runs: none of them may reach a backend, even through another module
+BENEATH_BACKENDS = ["schemafill.runtime.model", "schemafill.runtime.storage", "schemafill.runtime.calls",
+                    "schemafill.runtime.layers", "schemafill.runtime.drafter", "schemafill.runtime.products",
+                    "schemafill.runtime.kernels.batch_invariant"]
 
 
 def project_modules() -> dict[str, Path]:
@@ -137,6 +147,40 @@ def test_stage_packages_import_the_core_not_each_other(graph):
     assert not wrong, "stage packages reaching into each other (or the core into a stage):\n" + "\n".join(wrong)
 
 
+def core_room(module: str) -> int | None:
+    return next((i for i, r in enumerate(CORE) if module == r or module.startswith(r + ".")), None)
+
+
+def test_the_cores_rooms_point_down(graph):
+    back = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
+            if core_room(m) is not None and core_room(d) is not None and core_room(d) > core_room(m)]
+    assert not back, "imports against the direction of the core's rooms:\n" + "\n".join(sorted(back))
+
+
+def reached(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every project module ``module`` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep in graph and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_model_and_its_storage_never_reach_a_backend(graph):
+    wrong = {m: sorted(d for d in reached(graph, m) if d.startswith(BACKENDS)) for m in BENEATH_BACKENDS}
+    assert all(m in graph for m in BENEATH_BACKENDS), sorted(set(BENEATH_BACKENDS) - set(graph))
+    assert not any(wrong.values()), {m: d for m, d in wrong.items() if d}
+
+
+def test_a_backend_imports_no_other_but_the_eager_fallback(graph):
+    backends = [m for m in graph if m.startswith(BACKENDS + ".")]
+    assert FALLBACK in backends and len(backends) >= 3
+    wrong = [f"{m} -> {d}" for m in backends for d in graph[m] if d.startswith(BACKENDS + ".") and d != FALLBACK]
+    assert not wrong, "backends reading each other:\n" + "\n".join(wrong)
+
+
 def test_pure_modules_import_only_torch_and_the_standard_library(graph):
     allowed_ext = {"ext:torch", "ext:__future__"} | {f"ext:{m}" for m in sys.stdlib_module_names}
     impure = {m: sorted(d for d in graph[m] if d not in PURE and d not in allowed_ext) for m in PURE}
@@ -146,9 +190,9 @@ def test_pure_modules_import_only_torch_and_the_standard_library(graph):
 
 def test_the_checks_see_a_back_arrow_and_a_circle():
     """The tests above can fail: a room that imports up, and two modules importing each other."""
-    fake = {"infer.spec.session": {"infer.decoders.method"}, "infer.decoders.method": {"infer.spec.session"}}
-    assert room("infer.spec.session") == "infer.spec" and room("infer.decoders.method") == "infer.decoders"
-    with pytest.raises(AssertionError, match="infer.spec.session -> infer.decoders.method"):
+    fake = {"infer.rounds.session": {"infer.decoders.method"}, "infer.decoders.method": {"infer.rounds.session"}}
+    assert room("infer.rounds.session") == "infer.rounds" and room("infer.decoders.method") == "infer.decoders"
+    with pytest.raises(AssertionError, match="infer.rounds.session -> infer.decoders.method"):
         test_arrows_between_rooms_point_down(fake)
     with pytest.raises(AssertionError, match="circle"):
         test_no_module_imports_itself_through_others(fake)

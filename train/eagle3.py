@@ -30,15 +30,14 @@ from tqdm.auto import tqdm
 
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
-from schemafill.device import TRAIN_PROBE_ROWS, train_precision
-from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
-from schemafill.feature_cache import FEATURES, FeatureCache, Features
+from schemafill.contract.stopping import eos_token_ids
 from schemafill.fingerprint import fingerprint, load_if_fresh, read_manifest, write_manifest
-from schemafill.losses import ttt_loss
-from schemafill.models import decode_choice, load_model, load_tokenizer, target_location
-from schemafill.runtime import from_hf_model
-from schemafill.stopping import eos_token_ids
+from schemafill.runtime.device import TRAIN_PROBE_ROWS, train_precision
+from schemafill.runtime.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, save_head
+from schemafill.runtime.feature_cache import FEATURES, FeatureCache, Features
+from schemafill.runtime.loading import decode_choice, from_hf_model, load_model, load_tokenizer, target_location
 from train.features import target_features
+from train.losses import ttt_loss
 
 OUTPUTS = ["config.json", "model.safetensors", "train_metrics.json"]
 

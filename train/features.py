@@ -5,7 +5,7 @@ Per position: the three auxiliary hidden states (HF ``hidden_states[i]``, the *i
 layer i, for the model config's layer ids), its final normed hidden state (from which
 logits over the draft vocabulary are recomputed cheaply), and its full-vocabulary argmax
 (positions whose argmax falls outside the draft vocabulary carry no loss). The cached
-path stores the same three in ``schemafill.feature_cache``.
+path stores the same three in ``schemafill.runtime.feature_cache``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from schemafill.feature_cache import Features
+from schemafill.runtime.feature_cache import Features
 
 
 @torch.no_grad()

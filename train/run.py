@@ -22,7 +22,7 @@ from data_gen.run import build_continuations, build_requests
 from infer.eval.stage import build_eval
 from schemafill import atomic
 from schemafill.config import STAGES, PipelineConfig, register_configs, to_dataclass, to_dict
-from schemafill.device import host_summary
+from schemafill.runtime import host
 from schemafill.tracking import NullTracker, start_run
 from train.eagle3 import build_head
 from train.target import QualityGateError, build_target
@@ -73,7 +73,7 @@ def write_summary(cfg: PipelineConfig, results: dict, stage: str) -> None:
         previous = json.loads(path.read_text()) if path.is_file() else None
     except (json.JSONDecodeError, OSError):
         previous = None  # a damaged summary is started afresh, not a reason to stop
-    atomic.write_json(path, merge_summary(previous, cfg.model.name, cfg.tag, stage, results, host_summary(),
+    atomic.write_json(path, merge_summary(previous, cfg.model.name, cfg.tag, stage, results, host.summary(),
                                           time.strftime("%Y-%m-%dT%H:%M:%S%z")))
 
 

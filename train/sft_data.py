@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from schemafill.compose import compositions
 from schemafill.config import ModelConfig, TargetTrainConfig
-from schemafill.prompt import model_prompt_ids, response_ids
-from schemafill.toolcall import ToolRequest, serialize_calls
+from schemafill.contract.compose import compositions
+from schemafill.contract.prompt import model_prompt_ids, response_ids
+from schemafill.contract.toolcall import ToolRequest, serialize_calls
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Example:
     input_ids: list[int]  # prompt + response
     prompt_len: int
     calls: int
-    composed: bool = False  # a multi-call composition of several requests (schemafill.compose)
+    composed: bool = False  # a multi-call composition of several requests (schemafill.contract.compose)
     decisions: tuple[int, ...] = ()  # positions of response tokens holding a closing decision
 
 

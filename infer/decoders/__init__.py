@@ -2,7 +2,7 @@
 
 Adding a method is adding a proposer (``infer/proposers``) and a module here whose
 ``build(ctx, method)`` declares it: a ``Method`` over the one round loop, with the per-request
-``Drafting`` that uses the proposer (``infer/spec/loop.py``), and one line in ``FACTORIES``.
+``Drafting`` that uses the proposer (``infer/rounds/loop.py``), and one line in ``FACTORIES``.
 A method that learns across requests (``toolspec``'s table and memory, ``suffix``'s response
 tree) has ``reset()``, which a launch calls after its warm-up requests.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from infer.decoders import ar, eagle3, ngram, parallel_fill, schemafill, suffix, toolspec
+from infer.decoders import ar, eagle3, ngram, parallel_fill, slot_parallel, suffix, toolspec
 from infer.decoders.context import DecoderContext
-from infer.spec.decoding import Decoder
+from infer.rounds.decoding import Decoder
 from schemafill.config import ABLATIONS
 
 FACTORIES: dict[str, Callable[[DecoderContext, str], Decoder]] = {
@@ -23,8 +23,8 @@ FACTORIES: dict[str, Callable[[DecoderContext, str], Decoder]] = {
     "toolspec": toolspec.build,
     "ngram": ngram.build,
     "suffix": suffix.build,
-    "schemafill": schemafill.build,
-    **{f"schemafill_{a}": schemafill.build for a in ABLATIONS},  # its ablation stages
+    "schemafill": slot_parallel.build,
+    **{f"schemafill_{a}": slot_parallel.build for a in ABLATIONS},  # its ablation stages
     "parallel_fill": parallel_fill.build,
 }
 METHODS = tuple(FACTORIES)

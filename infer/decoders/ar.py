@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from infer.decoders.context import DecoderContext
 from infer.decoders.method import Method
-from infer.spec.decoding import Runtime
-from infer.spec.loop import Drafting
+from infer.rounds.decoding import Runtime
+from infer.rounds.loop import Drafting
 
 
 def declare(rt: Runtime) -> Method:

@@ -10,10 +10,10 @@ from typing import Any
 from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel, load_or_measure
 from infer.proposers.head import load_runtime_head
-from infer.spec.decoding import Runtime
+from infer.rounds.decoding import Runtime
 from schemafill.config import DecodeConfig
-from schemafill.response_format import JSON, ResponseFormat
-from schemafill.runtime import Target
+from schemafill.contract.response_format import JSON, ResponseFormat
+from schemafill.runtime.model import Target
 
 
 @dataclass

@@ -9,9 +9,9 @@ from infer.decoders.context import DecoderContext
 from infer.decoders.method import Method
 from infer.pricing.budget import NodeBudget
 from infer.proposers.head import EAGLE_DEFAULTS, HeadDrafter, HeadTimes, TreeBudget
-from infer.spec.decoding import Runtime
-from infer.spec.loop import Proposing
-from schemafill.drafter import Eagle3Head
+from infer.rounds.decoding import Runtime
+from infer.rounds.loop import Proposing
+from schemafill.runtime.drafter import Eagle3Head
 
 
 def declare(rt: Runtime, head: Eagle3Head, tree: TreeBudget, budget: NodeBudget | None = None) -> Method:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from infer.pricing.budget import NodeBudget
-from infer.spec import loop
-from infer.spec.decoding import Decoded, DecodeOptions, Runtime
-from schemafill.toolcall import ToolRequest
+from infer.rounds import loop
+from infer.rounds.decoding import Decoded, DecodeOptions, Runtime
+from schemafill.contract.toolcall import ToolRequest
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from infer.decoders.context import DecoderContext
 from infer.decoders.method import Method
 from infer.pricing.budget import NodeBudget
 from infer.proposers.ngram import NgramProposer
-from infer.spec.decoding import Runtime
-from infer.spec.loop import Proposing
+from infer.rounds.decoding import Runtime
+from infer.rounds.loop import Proposing
 from schemafill.config import NgramConfig
 
 

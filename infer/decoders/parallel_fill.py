@@ -1,4 +1,4 @@
-"""Parallel Fill: the skeleton-then-fill baseline (DESIGN §4; paper §5, after Skeleton-of-Thought).
+"""Parallel Fill: the skeleton-then-fill baseline (paper §5, after Skeleton-of-Thought; docs/design.md, "Parallel Fill").
 
 Given AR's response as the skeleton, every argument value is generated independently by
 the target — all of a request's values in one continuously batched stream — under the
@@ -16,15 +16,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from infer.decoders.context import DecoderContext
-from infer.spec.decoding import Decoded, DecodeOptions
-from infer.spec.session import MainSession
+from infer.rounds.decoding import Decoded, DecodeOptions
+from infer.rounds.session import MainSession
 from infer.slots.side import ordinal_hint
-from schemafill.generate import generate
-from schemafill.parser import parse_prefix, response_layout
-from schemafill.response_format import JSON, ResponseFormat
-from schemafill.runtime import Target
-from schemafill.stopping import ResponseStop
-from schemafill.toolcall import ToolRequest
+from schemafill.contract.parser import parse_prefix, response_layout
+from schemafill.contract.response_format import JSON, ResponseFormat
+from schemafill.contract.stopping import ResponseStop
+from schemafill.contract.toolcall import ToolRequest
+from schemafill.runtime.generation import generate
+from schemafill.runtime.model import Target
 
 
 class ValueStop(ResponseStop):

@@ -8,7 +8,7 @@ from infer.decoders.context import DecoderContext
 from infer.decoders.method import Method
 from infer.pricing.budget import NodeBudget
 from infer.proposers.toolspec import ToolSpecDrafting, ToolSpecMemory
-from infer.spec.decoding import Runtime
+from infer.rounds.decoding import Runtime
 from schemafill.config import ToolSpecConfig
 
 

@@ -21,17 +21,17 @@ from tqdm.auto import tqdm
 from infer import decoders
 from infer.decoders.context import DecoderContext
 from infer.eval.metrics import pooled
-from infer.spec import loop
-from infer.spec.constraint import SchemaGrammars, valid_response
-from infer.spec.decoding import DecodeOptions
-from infer.spec.options import request_options
+from infer.rounds import loop
+from infer.rounds.constraint import SchemaGrammars, valid_response
+from infer.rounds.decoding import DecodeOptions
+from infer.rounds.options import request_options
 from schemafill import atomic
 from schemafill.config import InferConfig, to_dict
-from schemafill.device import resolve_device
-from schemafill.models import load_launch_target
-from schemafill.prompt import model_prompt_ids
-from schemafill.records import read_requests
-from schemafill.toolcall import ToolRequest
+from schemafill.contract.prompt import model_prompt_ids
+from schemafill.contract.records import read_requests
+from schemafill.contract.toolcall import ToolRequest
+from schemafill.runtime.device import resolve_device
+from schemafill.runtime.loading import load_launch_target
 from schemafill.tracking import start_run
 
 
@@ -114,8 +114,7 @@ def run(cfg: InferConfig) -> dict:
                          f"concurrency=1")
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    target, tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device,
-                                              cfg.decode.cuda_graphs)
+    target, tokenizer, eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
 
     # ---- requests: malformed records and over-long prompts are named and skipped
     requests, rejected = read_requests(cfg.requests)
@@ -194,13 +193,13 @@ def run(cfg: InferConfig) -> dict:
         ms = sorted(1e3 * t for t in grammars.compile_seconds)
         print(f"[infer] response grammars: {len(ms)} catalogs compiled, median {ms[len(ms) // 2]:.1f} ms, "
               f"max {ms[-1]:.1f} ms (cached per catalog, outside the timed decode)")
-    graphs = None if target.graphs is None else target.graphs.summary()
-    if graphs is not None:
-        print(f"[infer] CUDA graphs: {graphs['captured']} captured in {graphs['capture_s']} s, "
-              f"{graphs['replayed_calls']} calls replayed, {graphs['eager_calls']} run eagerly")
+    backend = target.runs_on().summary()
+    atomic.write_json(out / "backend.json", backend)
+    print(f"[infer] backend: {backend}")
     tracker = start_run(cfg.logger, to_dict(cfg), name=cfg.model.name, job_type="infer")
     try:
-        tracker.summary({f"{m}/{k}": v for m, vals in metrics.items() for k, v in vals.items() if v is not None})
+        tracker.summary({f"{m}/{k}": v for m, vals in metrics.items() for k, v in vals.items() if v is not None}
+                        | {"backend": backend["backend"]})
     finally:
         tracker.finish()
-    return {"metrics": metrics, "skipped": skipped, "out": str(out), "rows": outputs, "graphs": graphs}
+    return {"metrics": metrics, "skipped": skipped, "out": str(out), "rows": outputs, "backend": backend}

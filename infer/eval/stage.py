@@ -28,17 +28,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from schemafill import atomic
-from schemafill.config import InferConfig, LoggerConfig, PipelineConfig, to_dict
-from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
-from schemafill.models import decode_choice, target_location
-from schemafill.response_format import JSON, ResponseFormat
-from schemafill.toolcall import parse_response
-
 from infer import decoders
 from infer.eval import report
-from infer.eval.metrics import pooled
 from infer.eval.launch import run as infer_run
+from infer.eval.metrics import pooled
+from schemafill import atomic
+from schemafill.config import InferConfig, LoggerConfig, PipelineConfig, to_dict
+from schemafill.contract.response_format import JSON, ResponseFormat
+from schemafill.contract.toolcall import parse_response
+from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
+from schemafill.runtime.loading import decode_choice, target_location
 
 OUTPUTS = ["metrics.json", "by_calls.json", "report.md"]
 GLAIVE_HINT = "Glaive is not configured: set data.glaive to the corpus (hub id or local copy) and rerun `requests`"
@@ -107,7 +106,7 @@ def kv_bytes_per_row(location: str, dtype_bytes: int, revision: str | None) -> i
 def build_eval(cfg: PipelineConfig, tracker: Any = None) -> dict:
     import torch
 
-    from schemafill.device import resolve_device
+    from schemafill.runtime.device import resolve_device
 
     ec = cfg.eval
     art = Path(cfg.paths.artifacts)

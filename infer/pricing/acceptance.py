@@ -1,6 +1,6 @@
 """Acceptance estimates per draft source, kept as running statistics during a launch.
 
-Pure (standard library and ``infer/spec/tree.py``). Every candidate node is tagged with the source that proposed
+Pure (standard library and ``infer/rounds/tree.py``). Every candidate node is tagged with the source that proposed
 it: the head at a bucket of its own probability (``head_source``), a packer bridge, a
 prepared or provisional value, a prompt-lookup copy, a retrieved or recycled chain, … with
 its depth in that proposal. ``AcceptanceStats`` estimates, per source, the chance a node is
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infer.spec.tree import ROOT
+from infer.rounds.tree import ROOT
+
 HEAD_BUCKETS = 10
 PRIOR_STRENGTH = 4.0  # pseudo-observations behind each prior
 

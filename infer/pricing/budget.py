@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from infer.pricing.acceptance import AcceptanceStats, head_source
-from infer.spec.candidates import Candidates
 from infer.pricing.cost_model import CostModel, LiveCost
 from infer.pricing.selection import expected_rate, path_values, select
-from infer.spec.share import ALONE, Share
+from infer.rounds.candidates import Candidates
+from infer.rounds.share import ALONE, Share
 
 if TYPE_CHECKING:
-    from infer.spec.session import Verified
+    from infer.rounds.session import Verified
 
 EMA = 0.2  # weight of the newest round in the running means (host-side time, promised rate)
 

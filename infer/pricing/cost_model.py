@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from schemafill import exact_kernels, host_cache
-from schemafill.timing import alternating_ms, median_ms
+from schemafill.runtime import host_cache
+from schemafill.runtime.model import Target
+from schemafill.runtime.timing import alternating_ms, median_ms
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -184,17 +185,10 @@ def isotonic(values: tuple[float, ...] | list[float]) -> list[float]:
     return [total / count for total, count in blocks for _ in range(int(count))]
 
 
-def products(target: torch.nn.Module) -> str:
-    """The target's kernels in a few characters: its product plan (``1:transposed,4:packed``),
-    and, when its forwards are batch-invariant, which build of those kernels (a new one times anew)."""
-    plan = ",".join(f"{rows}:{kernel}" for rows, kernel in getattr(target, "products", ()))
-    return f"{plan}|exact:{exact_kernels.build_id()}" if getattr(target, "exact", False) else plan
-
-
-def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+def host_key(target: Target, device: torch.device, dtype: torch.dtype) -> str:
     """What a forward's time depends on, as one string: the target's shape and a sample of its
     weights, the device, dtype, the CPU capability ATen dispatches to, the thread count, and
-    the kernel choices its load measured (``schemafill.runtime.tune``), and whether its calls replay CUDA graphs."""
+    its backend with the choices its load measured (``Backend.key``)."""
     c = target.config
     w = target.lm_head.weight
     probe = w.detach().flatten()[:: max(1, w.numel() // 4096)].float().cpu().numpy().tobytes()
@@ -202,13 +196,12 @@ def host_key(target: torch.nn.Module, device: torch.device, dtype: torch.dtype) 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return (f"{c.family}-L{c.num_layers}-H{c.hidden_size}-V{c.vocab_size}-{weights}|{device.type}{gpu}|"
             f"{str(dtype).removeprefix('torch.')}|{torch.backends.cpu.get_cpu_capability()}|"
-            f"threads{torch.get_num_threads()}|torch{torch.__version__}|{products(target)}"
-            f"|fold{int(getattr(target, 'fold_groups', False))}"
-            + ("|graphs" if getattr(getattr(target, "graphs", None), "capture", False) else ""))
+            f"threads{torch.get_num_threads()}|torch{torch.__version__}|{target.runs_on().name}:"
+            f"{target.runs_on().key()}")
 
 
 @torch.inference_mode()
-def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> CostModel:
+def measure(target: Target, context: int = 512, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> CostModel:
     """Time the target on a chain of ``n`` rows after ``context`` committed positions (a tree
     of n rows costs what a chain does: the mask differs, not the work), logits at every row as
     a verification computes them. Median of ``repeats`` rounds over every size, after one
@@ -217,7 +210,7 @@ def measure(target: torch.nn.Module, context: int = 512, sizes: tuple[int, ...] 
     return CostModel.fit(tuple(sizes), tuple(alternating_ms(calls, target.device, repeats)), context)
 
 
-def still_holds(target: torch.nn.Module, cached: CostModel, tolerance: float = 0.25, floor_ms: float = 5.0,
+def still_holds(target: Target, cached: CostModel, tolerance: float = 0.25, floor_ms: float = 5.0,
                 repeats: int = 3) -> bool:
     """Whether a one-row call still costs what ``cached`` says, within ``tolerance`` (and
     ``floor_ms``, below which timings are noise): a curve cached in a busy or slow hour would
@@ -228,7 +221,7 @@ def still_holds(target: torch.nn.Module, cached: CostModel, tolerance: float = 0
 
 
 @torch.inference_mode()
-def verification_calls(target: torch.nn.Module, context: int, sizes: tuple[int, ...]) -> list:
+def verification_calls(target: Target, context: int, sizes: tuple[int, ...]) -> list:
     """One call per size: ``n`` new rows after ``context`` committed positions (prefilled
     once here), logits at every row; each call writes the same slots, so any may repeat."""
     dev = target.device
@@ -248,7 +241,7 @@ def verification_calls(target: torch.nn.Module, context: int, sizes: tuple[int, 
     return calls
 
 
-def load_or_measure(target: torch.nn.Module, cache_dir: str | os.PathLike, context: int = 512,
+def load_or_measure(target: Target, cache_dir: str | os.PathLike, context: int = 512,
                     sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> tuple[CostModel, bool]:
     """The cached curve for this (target, device, dtype, host), measuring it on a miss or when
     a quick check of c(1) no longer agrees with it (``still_holds``). Returns (model, measured_now)."""

@@ -1,6 +1,6 @@
 """Cost-aware node selection: which candidate nodes one verification carries.
 
-Pure (``infer/spec/tree.py``'s parent lists, no tensors). Each candidate node ``i`` has an estimated conditional
+Pure (``infer/rounds/tree.py``'s parent lists, no tensors). Each candidate node ``i`` has an estimated conditional
 acceptance ``p[i]``: the chance the target's choice after its parent is its token, given the
 parent was accepted (``infer/pricing/acceptance.py`` keeps those estimates). Greedy verification
 accepts one path, so siblings are exclusive events and the tree's expected accepted tokens
@@ -18,7 +18,7 @@ instead of a fixed budget. Several trees (MAIN's and SIDE branches' segments) co
 one call by passing them as one forest whose values share the same currency.
 
 In a batch, one forward carries every request's rows: a request's nodes are priced as rows
-of that call (``infer/spec/share.Share``: the others' rows and expected tokens), so a node is kept only where
+of that call (``infer/rounds/share.Share``: the others' rows and expected tokens), so a node is kept only where
 its expected tokens beat what the batch's rows already bring per millisecond::
 
     (1 + others' tokens + Σ_{kept} v) / (host_ms + cost(others' rows + fixed + |kept|))
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from infer.spec.tree import ROOT, depths
+from infer.rounds.tree import ROOT, depths
 
 
 def path_values(parents: list[int], p: list[float]) -> list[float]:

@@ -40,13 +40,13 @@ from typing import Protocol
 import torch
 
 from infer.pricing.acceptance import head_source
-from infer.spec.candidates import Candidates
-from infer.spec.session import MainSession
-from infer.spec.tree import ROOT
+from infer.rounds.candidates import Candidates
+from infer.rounds.session import MainSession
+from infer.rounds.tree import ROOT
 from schemafill.config import DecodeConfig
-from schemafill.drafter import Eagle3Head, load_head
-from schemafill.graphs import attach_head
-from schemafill.runtime import Target, causal_visibility, rope_tables
+from schemafill.runtime.calls import causal_visibility
+from schemafill.runtime.drafter import Eagle3Head, load_head
+from schemafill.runtime.model import Target, rope_tables
 
 
 @dataclass(frozen=True)
@@ -287,6 +287,5 @@ def load_runtime_head(folder: str | Path, target: Target) -> Eagle3Head:
         raise ValueError(f"head at {folder} reads target layers {head.config.aux_layer_ids}, "
                          f"the runtime gives {want}: set model.aux_layer_ids to match")
     head = head.to(device=target.device, dtype=target.dtype).eval()
-    if target.graphs is not None:  # its draft steps replay graphs as the target's calls do
-        attach_head(head, target.graphs.capture)
+    head.steps = target.runs_on().draft_steps(head)  # e.g. replayed from graphs, as the target's calls are
     return head

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infer.proposers.lookup import ngram_lookup
-from infer.spec.candidates import Candidates
-from infer.spec.session import MainSession
+from infer.rounds.candidates import Candidates
+from infer.rounds.session import MainSession
 from schemafill.config import NgramConfig
 
 

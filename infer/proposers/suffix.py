@@ -13,8 +13,8 @@ requests decoded in any order keep their own sequences apart.
 from __future__ import annotations
 
 from infer.proposers.suffix_tree import SuffixTree
-from infer.spec.candidates import Candidates
-from infer.spec.session import MainSession
+from infer.rounds.candidates import Candidates
+from infer.rounds.session import MainSession
 from schemafill.config import SuffixConfig
 
 

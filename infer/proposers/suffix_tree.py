@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-ROOT = -1  # the parent of a draft's first tokens (as in infer/spec/tree.py)
+ROOT = -1  # the parent of a draft's first tokens (as in infer/rounds/tree.py)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.spec.tree import ROOT, depths
+from infer.rounds.tree import ROOT, depths
 
 
 def _paths() -> tuple[tuple[int, ...], ...]:

@@ -46,14 +46,14 @@ from typing import Any
 from infer.proposers.lookup import first_matches
 from infer.proposers.retrieval import RetrievalStore
 from infer.proposers.token_recycling import RecyclingTable, template_tree
-from infer.spec.candidates import Candidates
-from infer.spec.loop import Drafting, Pricing, Proposal
-from infer.spec.session import MainSession, Verified
-from infer.spec.tree import chain, merge
+from infer.rounds.candidates import Candidates
+from infer.rounds.loop import Drafting, Pricing, Proposal
+from infer.rounds.session import MainSession, Verified
+from infer.rounds.tree import chain, merge
 from schemafill.config import ToolSpecConfig
-from schemafill.parser import parse_prefix
-from schemafill.response_format import FIELD_BRIDGE, JSON, ResponseFormat, continuation_ids, dumps
-from schemafill.toolcall import ToolRequest
+from schemafill.contract.parser import parse_prefix
+from schemafill.contract.response_format import FIELD_BRIDGE, JSON, ResponseFormat, continuation_ids, dumps
+from schemafill.contract.toolcall import ToolRequest
 
 ARGUMENTS = '", "arguments": {'  # name-first formats: after a tool's name, up to its first key
 NAME = '"name": '  # name-last formats: the key after the arguments

@@ -19,10 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from infer.serving.engine import Cancelled, Engine, Job
 from infer.serving.message import MessageStream, finish_reason, message
 from infer.serving.protocol import APIError, chunk, completion, parse_body, parse_chat_request, usage
-from infer.serving.engine import Cancelled, Engine, Job
-
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 queue in front of them, one batch decoding in one loop (``Engine.run``, on the main thread
 where it can be), and the Prometheus metrics of what it did.
 
-Continuous batching (``infer/spec/loop.Batch``): up to ``max_batch`` requests decode
+Continuous batching (``infer/rounds/loop.Batch``): up to ``max_batch`` requests decode
 together, whatever their methods, one target forward per round for all of them; a waiting
 request joins between rounds as soon as one leaves, its prompt in pieces of
 ``prefill_tokens`` while the others decode. ``queue_size`` more may wait; a request beyond
@@ -24,16 +24,16 @@ from typing import Callable
 
 from infer import decoders
 from infer.decoders.context import DecoderContext
+from infer.rounds.constraint import SchemaGrammars
+from infer.rounds.decoding import Decoded, DecodeOptions
+from infer.rounds.loop import Batch, Stream
+from infer.rounds.options import request_options
 from infer.serving.protocol import APIError, ChatRequest
-from infer.spec.constraint import SchemaGrammars
-from infer.spec.decoding import Decoded, DecodeOptions
-from infer.spec.loop import Batch, Stream
-from infer.spec.options import request_options
 from schemafill.config import ServeConfig
-from schemafill.device import resolve_device
-from schemafill.models import load_launch_target
-from schemafill.prompt import model_prompt_ids
-from schemafill.toolcall import ToolRequest
+from schemafill.contract.prompt import model_prompt_ids
+from schemafill.contract.toolcall import ToolRequest
+from schemafill.runtime.device import resolve_device
+from schemafill.runtime.loading import load_launch_target
 
 
 class Cancelled(Exception):
@@ -111,8 +111,7 @@ class Engine:
         decoders.check(methods, 0.0)
         self.cfg = cfg
         device = resolve_device(cfg.device)
-        self.target, self.tokenizer, self.eos = load_launch_target(cfg.model, cfg.paths.artifacts, device,
-                                                                   cfg.decode.cuda_graphs)
+        self.target, self.tokenizer, self.eos = load_launch_target(cfg.model, cfg.paths.artifacts, device)
         self.fmt = cfg.model.fmt
         ctx = DecoderContext(self.target, self.tokenizer, self.eos, cfg.decode,
                              cfg.head or str(Path(cfg.paths.artifacts) / "heads" / cfg.model.name), fmt=self.fmt)

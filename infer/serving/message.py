@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from schemafill.response_format import JSON, ResponseFormat
+from schemafill.contract.response_format import JSON, ResponseFormat
 
 
 def _tool_call(call_id: str, name: str | None, arguments: str) -> dict:

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from schemafill.response_format import JSON, ResponseFormat
-from schemafill.toolcall import ToolRequest
+from schemafill.contract.response_format import JSON, ResponseFormat
+from schemafill.contract.toolcall import ToolRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("auto", "none", "required")

@@ -1,4 +1,4 @@
-"""Alignment of the forecast with what MAIN realized (paper §4.3, DESIGN §4.5), between rounds.
+"""Alignment of the forecast with what MAIN realized (paper §4.3; docs/design.md, "SchemaFill, step by step": align), between rounds.
 
 Each round MAIN's parse state says which call it is in and which of that call's fields it
 has written. The plans follow: the current call's plan is rebound to the tool MAIN chose
@@ -15,7 +15,7 @@ from typing import Iterable
 
 from infer.slots.forecast import call_plan
 from infer.slots.packer import CallPlan
-from schemafill.parser import ParseState
+from schemafill.contract.parser import ParseState
 
 
 def current_call(state: ParseState) -> int:

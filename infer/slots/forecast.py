@@ -1,4 +1,4 @@
-"""Tool and slot forecast (paper §4.2, DESIGN §4.1): where draft compute goes, never what is emitted.
+"""Tool and slot forecast (paper §4.2; docs/design.md, "SchemaFill, step by step": forecast): where draft compute goes, never what is emitted.
 
 BM25 (``rank_bm25``) ranks the catalog against the request: the query is every message of
 the conversation; a tool's document is its name split into words (on ``_ . -`` and
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from infer.slots.packer import CallPlan
-from schemafill.toolcall import ToolRequest
+from schemafill.contract.toolcall import ToolRequest
 
 _WORD = re.compile(r"[A-Za-z][a-z]*|[a-z]+|[0-9]+|[^\W\d_]+", re.UNICODE)
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")

@@ -1,10 +1,10 @@
-"""The packer (paper §4.2 "Cross-call packing", DESIGN §4.4): the text MAIN is predicted to
+"""The packer (paper §4.2 "Cross-call packing"; docs/design.md, "SchemaFill, step by step": each round): the text MAIN is predicted to
 write next, chaining structural bridges and prepared values across fields and calls.
 
 Pure (standard library only). Given MAIN's committed response text and its parse state,
 the call plans (one tool per call position, from the forecast, rebound to what MAIN
 realized) and the prepared values, it builds the canonical serialization the target was
-asked for, in its response format (``schemafill.response_format``)::
+asked for, in its response format (``schemafill.contract.response_format``)::
 
     {"tool_calls": [{"name": "t", "arguments": {"k": v, ...}}, ...]}    # json
     <tool_call>\n{"name": "t", "arguments": {...}}\n</tool_call>\n...     # hermes
@@ -43,8 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemafill.parser import ParseState
-from schemafill.response_format import FIELD_BRIDGE, JSON, ResponseFormat, dumps
+from schemafill.contract.parser import ParseState
+from schemafill.contract.response_format import FIELD_BRIDGE, JSON, ResponseFormat, dumps
 
 
 @dataclass(frozen=True)

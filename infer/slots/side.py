@@ -1,4 +1,4 @@
-"""SIDE branches (paper §4.3, DESIGN §4.3): the slots being prepared, their private contexts
+"""SIDE branches (paper §4.3; docs/design.md, "SchemaFill, step by step": SIDE branches): the slots being prepared, their private contexts
 in the arena's SIDE rows, and what they hand to the packer.
 
 A SIDE branch for slot (call j, field f of tool t) sees the prompt, an ordinal hint for
@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.rounds.call import Segment
+from infer.rounds.session import Verified
 from infer.slots.align import is_stale, slots_to_open
 from infer.slots.packer import CallPlan
-from infer.spec.session import Segment, Verified
-from schemafill.generate import common_prefix
-from schemafill.parser import parse_prefix
-from schemafill.response_format import JSON, ResponseFormat
+from schemafill.contract.parser import parse_prefix
+from schemafill.contract.response_format import JSON, ResponseFormat
+from schemafill.runtime.generation import common_prefix
 
 ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"]
 

@@ -30,9 +30,9 @@ from typing import Any
 from infer.pricing.acceptance import AcceptanceStats
 from infer.pricing.cost_model import line_fit
 from infer.pricing.selection import path_values, select
-from infer.spec.tree import ROOT
-from infer.vllm.drafting import STRUCTURE, VALUE, ChainDrafter
-from schemafill.response_format import FORMATS
+from infer.rounds.tree import ROOT
+from infer.vllm.chains import STRUCTURE, VALUE, ChainDrafter
+from schemafill.contract.response_format import FORMATS
 
 FORMAT_ENV = "SCHEMAFILL_RESPONSE_FORMAT"
 

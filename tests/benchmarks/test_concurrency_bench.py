@@ -5,7 +5,7 @@ wall time, and the plot is written."""
 from __future__ import annotations
 
 from benchmarks.concurrency_bench import plot, run_level
-from schemafill.records import read_requests
+from schemafill.contract.records import read_requests
 from tests.eval.test_infer import tiny_head  # noqa: F401  (fixture)
 from tests.serving.test_load import busy  # noqa: F401  (fixture)
 from tests.serving.test_serve import MODEL

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks.forward_bench import run, slopes, streamed_bytes, table
-from schemafill.runtime import load_target
+from schemafill.runtime.loading import load_target
 from tests.conftest import tiny_llama
 
 

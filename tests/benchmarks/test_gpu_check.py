@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.gpu_check import build, call_costs, decode_runs, host_ms_per_call, streamed_bytes
-from schemafill.graphs import attach, attach_head
+from schemafill.runtime.backends import cuda_graphs, eager
 
 
 def test_tiny_shape_builds_and_times_every_call_on_both_paths():
@@ -17,16 +17,16 @@ def test_tiny_shape_builds_and_times_every_call_on_both_paths():
     layer = h * qkv + qkv + c.num_heads * c.head_dim * h + 3 * h * c.intermediate_size + 2 * h
     weights = c.num_layers * layer + h + c.vocab_size * h
     assert streamed_bytes(target) == 4 * weights  # fp32; the input embedding not counted
-    runner = attach(target, capture=False)
+    graphs = target.backend = cuda_graphs.build(target, eager.build(target), capture=False)
     costs = call_costs(target, context=32, rows=[1, 2, 8], repeats=1)
     assert set(costs["eager"]) == set(costs["graph"]) == {1, 2, 8} and all(
         ms > 0 for path in ("eager", "graph") for ms in costs[path].values())
-    assert target.graphs is runner and runner.replays > 0  # the graph column ran the bucketed calls
-    attach_head(head, capture=False)
+    assert target.backend is graphs and graphs.runner.replays > 0  # the graph column ran the bucketed calls
+    head.steps = graphs.draft_steps(head)
     prompts = [list(range(5, 40)), list(range(50, 70))]
     runs = decode_runs(target, head, prompts, new_tokens=8)
     assert runs["ar"]["ids"] == runs["eagle3"]["ids"] and runs["ar"]["tokens"] == 16
-    assert runs["ar"]["host_ms_per_round"] > 0 and head.graphs.replays > 0
+    assert runs["ar"]["host_ms_per_round"] > 0 and head.steps.replays > 0
 
 
 def test_host_time_per_call_is_what_the_calls_and_head_leave():

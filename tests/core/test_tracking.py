@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from schemafill.config import LoggerConfig
 from schemafill.tracking import NullTracker, WandbTracker, provenance, resolve_mode, start_run
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from data_gen.generate import build_continuations, continuations_dir
+from data_gen.continuations import build_continuations, continuations_dir
 from schemafill.config import to_dataclass
 from tests.conftest import ROOT, accelerate_launch, compose
 

@@ -11,8 +11,8 @@ import pytest
 
 from data_gen.corpora import bfcl_categories, bfcl_data_dir, bfcl_version, load_bfcl, load_glaive
 from data_gen.splits import BFCL450_CATEGORIES, make_splits
-from schemafill.records import RejectLog
-from schemafill.toolcall import ToolCall, normalized_text
+from schemafill.contract.records import RejectLog
+from schemafill.contract.toolcall import ToolCall, normalized_text
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,14 @@ import random
 import pytest
 import torch
 
-from tests.conftest import decode_ar
-from tests.conftest import decode_tree
 from infer.proposers.head import HeadDrafter, TreeBudget
-from infer.spec.tree import ROOT
-from schemafill.drafter import Eagle3Head, HeadConfig
-from schemafill.runtime import exact_possible, from_hf_model, rope_tables
-from tests.core.test_runtime import VOCAB, hf_model
+from infer.rounds.tree import ROOT
+from schemafill.runtime.backends.batch_invariant import BatchInvariant, possible
+from schemafill.runtime.drafter import Eagle3Head, HeadConfig
+from schemafill.runtime.loading import from_hf_model
+from schemafill.runtime.model import rope_tables
+from tests.conftest import decode_ar, decode_tree
+from tests.runtime.test_runtime import VOCAB, hf_model
 
 
 class CharTokenizer:
@@ -197,7 +198,7 @@ def test_a_head_not_worth_its_time_skips_rounds_and_catches_up_on_all_it_skipped
     assert drafted == 2
 
 
-@pytest.mark.skipif(not exact_possible(torch.bfloat16), reason="no batch-invariant bf16 forward on this host")
+@pytest.mark.skipif(not possible(torch.bfloat16), reason="no batch-invariant bf16 forward on this host")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_in_bf16_every_decoder_equals_bf16_ar(family):
     """Lossless is relative to AR in the same precision: with batch-invariant forwards a bf16
@@ -205,7 +206,7 @@ def test_in_bf16_every_decoder_equals_bf16_ar(family):
     model = hf_model(family, seed=7).to(torch.bfloat16)
     target = from_hf_model(model, aux_layer_ids=[1, 2, 3])
     target.hf_config = model.config
-    assert target.exact
+    assert isinstance(target.backend, BatchInvariant)
     head = random_head(target, seed=5).to(torch.bfloat16)
     rng = random.Random(2)
     for case in range(3):

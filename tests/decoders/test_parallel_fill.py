@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import decode_ar
 from infer.decoders.parallel_fill import ParallelFill, ValueStop
-from schemafill.models import generation_eos, load_tokenizer
-from schemafill.parser import response_layout
-from schemafill.prompt import prompt_ids
-from schemafill.response_format import JSON, dumps
+from schemafill.contract.parser import response_layout
+from schemafill.contract.prompt import prompt_ids
+from schemafill.contract.response_format import JSON, dumps
+from schemafill.runtime.loading import generation_eos, load_tokenizer
+from tests.conftest import decode_ar
 
 HEADER = JSON.header
-from schemafill.runtime import load_target
+from schemafill.runtime.loading import load_target
 from tests.decoders.test_schemafill import request
 
 
@@ -73,7 +73,7 @@ def test_fills_ars_skeleton_on_the_builtin_model(builtin_artifacts):
 def test_fills_an_args_first_skeleton_in_hermes3(builtin_artifacts):
     """hermes3: each value's context is ``<tool_call>\\n{"arguments": {"<key>":``, no name; the
     first one is AR's own context, so its value is AR's."""
-    from schemafill.response_format import HERMES3
+    from schemafill.contract.response_format import HERMES3
     from tests.decoders.test_schemafill import args_first_request
 
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"

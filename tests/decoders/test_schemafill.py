@@ -4,24 +4,22 @@ target calls."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from tests.conftest import decode_ar
-from tests.conftest import decode_tree
-from infer.decoders import schemafill
-from infer.slots.drafting import SchemaFillConfig, SideLedger
-from infer.spec.decoding import Runtime
+from infer.decoders import slot_parallel
 from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
-from infer.spec.tree import ROOT
+from infer.rounds.decoding import Runtime
+from infer.rounds.tree import ROOT
+from infer.slots.policy import SchemaFillConfig, SideLedger
 from schemafill.config import DecodeConfig
-from schemafill.drafter import Eagle3Head, HeadConfig
-from schemafill.models import generation_eos, load_tokenizer
-from schemafill.prompt import prompt_ids
-from schemafill.response_format import HERMES, HERMES3, JSON
-from schemafill.runtime import load_target, rope_tables
-from schemafill.toolcall import ToolRequest, parse_response
+from schemafill.contract.prompt import prompt_ids
+from schemafill.contract.response_format import HERMES, HERMES3, JSON
+from schemafill.contract.toolcall import ToolRequest, parse_response
+from schemafill.runtime.drafter import Eagle3Head, HeadConfig
+from schemafill.runtime.loading import generation_eos, load_target, load_tokenizer
+from schemafill.runtime.model import rope_tables
+from tests.conftest import decode_ar, decode_tree
 
 
 def tool(name, props=None, required=None, description=""):
@@ -78,7 +76,7 @@ def random_head(target, seed=0):
 def oracle_values(text: str, fmt=JSON) -> dict[tuple[int, str], str]:
     """Value literals of AR's own response, where it parses."""
     calls = parse_response(text.strip(), fmt) or []
-    from schemafill.response_format import dumps
+    from schemafill.contract.response_format import dumps
     return {(j, k): dumps(v) for j, c in enumerate(calls) for k, v in c.arguments.items()}
 
 
@@ -94,7 +92,7 @@ def check(target, tok, eos, names, ablations, max_new=40, oracle=False, budget=N
             catalog = [fn["name"] for fn in req.functions]
             groups = [catalog.index(c.name) for c in calls if c.name in catalog] or groups
         for ab in ablations:
-            sf = schemafill.declare(Runtime(target, tok, eos, max_new, fmt), head,
+            sf = slot_parallel.declare(Runtime(target, tok, eos, max_new, fmt), head,
                                     SchemaFillConfig(budget=SCHEMAFILL_BUDGET, ablation=ab, **limits), budget)
             out = sf.decode(req, ids, groups=groups, values=oracle_values(ar.text, fmt) if oracle else None)
             assert out.ids == ar.ids, (name, ab, ar.text, out.text)
@@ -141,8 +139,8 @@ def test_random_model_every_ablation_equals_ar(tiny_target):
 def test_cost_aware_rounds_equal_ar_whatever_they_keep(tiny_target, base_target):
     """Selection changes only the proposal: on a steep curve it drops MAIN nodes and SIDE steps
     (and their head drafts), on a flat one it keeps them; AR's tokens either way."""
-    from infer.pricing.cost_model import CostModel
     from infer.pricing.budget import NodeBudget
+    from infer.pricing.cost_model import CostModel
 
     target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
     tok = load_tokenizer(str(tiny_target))
@@ -163,8 +161,8 @@ def test_cost_aware_rounds_equal_ar_whatever_they_keep(tiny_target, base_target)
 def test_side_contexts_wait_while_side_rows_do_not_pay(base_target):
     """Once a launch has measured that SIDE rows return less than a row costs, no new SIDE
     context opens (at initialisation or later) and no SIDE row is verified: AR's tokens."""
-    from infer.pricing.cost_model import CostModel
     from infer.pricing.budget import NodeBudget
+    from infer.pricing.cost_model import CostModel
 
     target, tok, eos = base_target
     req = request("wrong_order")
@@ -175,7 +173,7 @@ def test_side_contexts_wait_while_side_rows_do_not_pay(base_target):
         budget, ledger = NodeBudget(CostModel((1, 64), (10.0, 262.0))), SideLedger()  # 4 ms a row
         if not pays:  # what a launch measured: 1,000 SIDE rows, no token from them, rounds promising 0.1 a ms
             ledger.rows, budget.rate = 1000, 0.1
-        sf = schemafill.declare(Runtime(target, tok, eos, 48), random_head(target),
+        sf = slot_parallel.declare(Runtime(target, tok, eos, 48), random_head(target),
                                 SchemaFillConfig(budget=SCHEMAFILL_BUDGET, ablation="D", guess_ends=True), budget,
                                 ledger)
         out = sf.decode(req, ids, groups=CASES["wrong_order"][2])
@@ -247,7 +245,7 @@ def test_hermes3_format_is_lossless_and_follows_the_keys_to_the_name(tiny_target
     head, calls = random_head(target), {}
     for groups in ([0], [1, 0], [2]):  # right; get_weather a later group; only in the catalog
         # no prompt-lookup copies: the example would give the block away whatever the plans
-        sf = schemafill.declare(Runtime(target, tok, eos, 32, HERMES3), head,
+        sf = slot_parallel.declare(Runtime(target, tok, eos, 32, HERMES3), head,
                                 SchemaFillConfig(budget=SCHEMAFILL_BUDGET, copy_len=0))
         out = sf.decode(req, ids, groups=groups)
         assert out.ids == ar.ids, (groups, ar.text, out.text)
@@ -265,7 +263,7 @@ def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
 
 def test_sibling_branches_share_one_trunk(smol_tokenizer):
     from infer.slots.side import Branch, SideContexts, ordinal_hint
-    from schemafill.response_format import JSON, dumps
+    from schemafill.contract.response_format import JSON, dumps
 
     HEADER = JSON.header
 
@@ -335,9 +333,9 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
     """The head's entries for a SIDE context (a trunk, then the branch's own tokens, then its
     pending token) give the same draft as MAIN's drafter when MAIN's text is that context."""
     from infer.proposers.head import HeadDrafter, TreeBudget
-    from infer.spec.session import MainSession
+    from infer.rounds.session import MainSession
     from infer.slots.side import Branch, SideContexts, Trunk
-    from schemafill.stopping import ResponseStop
+    from schemafill.contract.stopping import ResponseStop
 
     target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
     tok = load_tokenizer(str(tiny_target))
@@ -396,8 +394,9 @@ def test_builtin_model_prompt_lookup_copies_are_lossless_and_save_calls(base_tar
 def test_a_side_context_is_decided_only_at_its_last_node(tiny_target):
     """A new SIDE context's trunk and prefix need the target's features but its choice only at
     the last node (the value's start): the LM head skips the others, and nothing else changes."""
-    from infer.spec.session import MainSession, Segment
-    from schemafill.stopping import ResponseStop
+    from infer.rounds.call import Segment
+    from infer.rounds.session import MainSession
+    from schemafill.contract.stopping import ResponseStop
 
     target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
     tok = load_tokenizer(str(tiny_target))

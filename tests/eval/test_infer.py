@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from schemafill.config import InferConfig, to_dataclass
-from schemafill.prompt import prompt_ids
-from schemafill.toolcall import ToolRequest
-from schemafill.drafter import Eagle3Head, HeadConfig, save_head
-from schemafill.runtime import load_target, rope_tables
+from schemafill.contract.prompt import prompt_ids
+from schemafill.contract.toolcall import ToolRequest
+from schemafill.runtime.drafter import Eagle3Head, HeadConfig, save_head
+from schemafill.runtime.loading import load_target
+from schemafill.runtime.model import rope_tables
 from tests.conftest import compose
 
 

@@ -8,12 +8,11 @@ import json
 import pytest
 
 from infer.pricing.acceptance import AcceptanceStats, default_prior, head_source
-from infer.spec.candidates import chain_source
-from infer.spec.candidates import Candidates
-from infer.pricing.cost_model import CostModel, LiveCost, isotonic, load_or_measure, measure, size_bucket, still_holds
 from infer.pricing.budget import NodeBudget
+from infer.pricing.cost_model import CostModel, LiveCost, isotonic, load_or_measure, measure, size_bucket, still_holds
 from infer.pricing.selection import expected_rate, path_values, select
-from infer.spec.tree import ROOT
+from infer.rounds.candidates import Candidates, chain_source
+from infer.rounds.tree import ROOT
 from schemafill.config import DecodeConfig
 from tests.conftest import tiny_llama
 
@@ -193,7 +192,7 @@ def test_live_cost_is_continuous_and_never_decreases_across_buckets():
 
 
 def test_cost_is_measured_on_a_real_forward_and_cached_per_host(tmp_path):
-    from schemafill.runtime import from_hf_model
+    from schemafill.runtime.loading import from_hf_model
 
     target = from_hf_model(tiny_llama(vocab_size=512, num_hidden_layers=2, hidden_size=64, intermediate_size=128))
     first, fresh = load_or_measure(target, tmp_path, context=64, sizes=(1, 8, 64), repeats=3)
@@ -217,7 +216,7 @@ def test_cost_is_measured_on_a_real_forward_and_cached_per_host(tmp_path):
 
 
 def test_an_unwritable_cache_still_gives_a_curve(tmp_path, capsys):
-    from schemafill.runtime import from_hf_model
+    from schemafill.runtime.loading import from_hf_model
 
     target = from_hf_model(tiny_llama(vocab_size=512))
     blocked = tmp_path / "file"

@@ -10,24 +10,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infer.spec.constraint import SchemaGrammars
-from infer.pricing.cost_model import CostModel
-from tests.conftest import decode_ar
 from infer.decoders import ngram, suffix, toolspec
-from infer.proposers.suffix import SuffixProposer
-from infer.proposers.toolspec import SchemaFSM, retrieval_candidates
-from infer.spec.decoding import DecodeOptions, Runtime
-from infer.proposers.lookup import copy_match, copy_matches, first_matches, ngram_lookup
 from infer.pricing.budget import NodeBudget
+from infer.pricing.cost_model import CostModel
+from infer.proposers.lookup import copy_match, copy_matches, first_matches, ngram_lookup
 from infer.proposers.retrieval import RetrievalStore
+from infer.proposers.suffix import SuffixProposer
 from infer.proposers.suffix_tree import SuffixTree
 from infer.proposers.token_recycling import RecyclingTable, template_tree
-from infer.spec.tree import ROOT, depths
+from infer.proposers.toolspec import SchemaFSM, retrieval_candidates
+from infer.rounds.constraint import SchemaGrammars
+from infer.rounds.decoding import DecodeOptions, Runtime
+from infer.rounds.tree import ROOT, depths
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
-from schemafill.models import generation_eos, load_tokenizer
-from schemafill.prompt import prompt_ids
-from schemafill.response_format import HERMES, HERMES3, JSON
-from schemafill.runtime import load_target
+from schemafill.contract.prompt import prompt_ids
+from schemafill.contract.response_format import HERMES, HERMES3, JSON
+from schemafill.runtime.loading import generation_eos, load_target, load_tokenizer
+from tests.conftest import decode_ar
 from tests.decoders.test_schemafill import CASES, args_first_request, base_target, request  # noqa: F401 (a fixture)
 
 

@@ -15,7 +15,7 @@ import pytest
 from infer.serving.app import BackgroundServer
 from infer.serving.engine import Engine
 from schemafill.config import ServeConfig, to_dataclass
-from schemafill.records import read_requests
+from schemafill.contract.records import read_requests
 from tests.conftest import compose
 from tests.eval.test_infer import tiny_head  # noqa: F401  (fixture)
 from tests.serving.test_openai_message import assemble

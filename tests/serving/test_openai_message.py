@@ -7,10 +7,11 @@ import json
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from infer.serving.message import MessageStream, finish_reason, message
-from schemafill.response_format import HERMES, JSON
+from schemafill.contract.response_format import HERMES, JSON
 
 call_spans, is_calls, serialize = JSON.call_spans, JSON.is_calls, JSON.serialize
 
@@ -178,7 +179,7 @@ def test_streams_of_random_responses_and_their_truncations(fmt, calls, cut, seed
 
 def test_streams_token_by_token_with_the_real_tokenizer(smol_tokenizer):
     """Tokens as a decoder commits them, several per round, a multi-byte character split
-    across tokens held back as the server holds it (``schemafill.stopping``)."""
+    across tokens held back as the server holds it (``schemafill.contract.stopping``)."""
     rng = random.Random(1)
     token_ids = smol_tokenizer(TEXT, add_special_tokens=False).input_ids
     for _ in range(20):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from infer.serving.protocol import APIError, chunk, completion, parse_body, parse_chat_request, usage
-from schemafill.prompt import render_plain
+from schemafill.contract.prompt import render_plain
 
 MODELS = {"tiny": "schemafill", "tiny:ar": "ar"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",

@@ -14,15 +14,15 @@ import jsonschema
 import openai
 import pytest
 
-from infer.serving.message import finish_reason, message
-from tests.serving.test_openai_message import assemble
-from infer.serving.protocol import parse_chat_request
 from infer.serving.app import BackgroundServer
 from infer.serving.engine import Engine
+from infer.serving.message import finish_reason, message
+from infer.serving.protocol import parse_chat_request
 from schemafill.config import InferConfig, ServeConfig, to_dataclass
-from schemafill.records import read_requests
+from schemafill.contract.records import read_requests
 from tests.conftest import compose
 from tests.eval.test_infer import tiny_head  # noqa: F401  (fixture)
+from tests.serving.test_openai_message import assemble
 
 MODEL = "smollm2-135m"
 TARGET = ["model.finetune=false", "model.aux_layer_ids=[1,2,3]", "decode.max_new_tokens=24"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from infer.slots.align import current_call, is_stale, rebind, rebind_by_keys, slots_to_open, written_keys
 from infer.slots.packer import CallPlan
-from schemafill.parser import parse_prefix
+from schemafill.contract.parser import parse_prefix
 
 FUNCTIONS = {"a": {"name": "a", "parameters": {"properties": {"x": {}, "y": {}}, "required": ["x"]}},
              "b": {"name": "b", "parameters": {"properties": {"q": {}}}}}
@@ -61,7 +61,7 @@ def test_slots_open_for_this_call_and_the_next_predicted_first():
 
 
 def test_written_keys_of_an_args_first_call():
-    from schemafill.response_format import HERMES3
+    from schemafill.contract.response_format import HERMES3
 
     def keys(text):
         return written_keys(text, parse_prefix(text, HERMES3))

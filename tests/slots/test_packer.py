@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from infer.slots.forecast import call_plan, forecast_groups, rank_tools, words
 from infer.slots.packer import CallPlan, propose
-from schemafill.parser import parse_prefix
-from schemafill.toolcall import ToolRequest
+from schemafill.contract.parser import parse_prefix
+from schemafill.contract.toolcall import ToolRequest
 
 WEATHER = CallPlan("get_weather", ("city", "unit"), ("city", "unit", "days"), {"city": '"Paris"', "unit": '"C"'})
 TIME = CallPlan("get_time", ("tz",), ("tz",), {})
@@ -94,9 +94,9 @@ def test_bm25_ranking_groups_and_slots():
 
 
 def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
-    from infer.spec.candidates import Candidates
+    from infer.rounds.candidates import Candidates
     from infer.slots.packer import BRIDGE, END, PROVISIONAL, VALUE, propose_tagged, token_kinds
-    from schemafill.response_format import continuation_ids
+    from schemafill.contract.response_format import continuation_ids
 
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa'
     suffix, kinds = propose_tagged(text, parse_prefix(text), [WEATHER], provisional={(0, "days"): "3"})
@@ -118,7 +118,7 @@ def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
 
 
 def test_hermes3_writes_each_name_after_its_arguments():
-    from schemafill.response_format import HERMES3
+    from schemafill.contract.response_format import HERMES3
 
     def p3(text, plans, **kw):
         return propose(text, parse_prefix(text, HERMES3), plans, fmt=HERMES3, **kw)

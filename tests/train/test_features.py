@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from schemafill.runtime import from_hf_model
+from schemafill.runtime.feature_cache import FeatureCache
+from schemafill.runtime.loading import from_hf_model
 from tests.conftest import tiny_llama
-from schemafill.feature_cache import FeatureCache
 from train.features import target_features
 
 AUX = [0, 1, 1]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemafill.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, load_head, save_head, vocab_maps
-from schemafill.losses import ttt_loss
+from schemafill.runtime.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, load_head, save_head, vocab_maps
+from train.losses import ttt_loss
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -85,7 +85,7 @@ def test_step_k_uses_the_heads_own_previous_output():
     cos, sin = head.rotary(pos, torch.float32)
     hidden0 = head.fc(aux)
     q0, k0, v0 = layer.qkv(head.embed_tokens(torch.roll(ids, -1, 1)), hidden0, cos, sin)
-    from schemafill.layers import attend
+    from schemafill.runtime.layers import attend
     vis0 = torch.ones(1, 6, 6, dtype=torch.bool).tril()
     o0 = layer.finish(hidden0, attend(q0, k0, v0, vis0))
     cos1, sin1 = head.rotary(pos[:, t:t + 1] + 1, torch.float32)
@@ -178,7 +178,7 @@ def sglang_reads(config: dict) -> list[int]:
 def test_both_engines_read_the_layers_the_head_was_trained_on(tmp_path, aux):
     from dataclasses import replace
 
-    from schemafill.drafter import export_config
+    from schemafill.runtime.drafter import export_config
 
     config = export_config(replace(tiny_head(0).config, aux_layer_ids=aux))
     assert vllm_reads(config) == aux and sglang_reads(config) == aux
@@ -186,7 +186,7 @@ def test_both_engines_read_the_layers_the_head_was_trained_on(tmp_path, aux):
 
 
 def test_layer_ids_the_engines_cannot_feed_are_refused():
-    from schemafill.drafter import engine_layer_ids
+    from schemafill.runtime.drafter import engine_layer_ids
 
     with pytest.raises(ValueError, match="ascending"):
         engine_layer_ids([15, 2, 27])  # both engines capture in layer order: fc would get them permuted

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data_gen.generate import build_continuations
+from data_gen.continuations import build_continuations
 from schemafill.config import to_dataclass
-from schemafill.drafter import load_head
-from schemafill.precision import Precision
+from schemafill.runtime.drafter import load_head
+from schemafill.runtime.precision import Precision
 from schemafill.tracking import NullTracker
 from tests.conftest import ROOT, accelerate_launch, compose
 from train.eagle3 import Budget, build_head, heads_dir
@@ -78,10 +78,10 @@ def test_features_captured_by_continuations_feed_the_head(tiny_continuations, ti
     them instead of running the target again."""
     import datasets
     import numpy as np
-
-    from schemafill.feature_cache import FeatureCache
-    from schemafill.runtime import from_hf_model
     from transformers import AutoModelForCausalLM
+
+    from schemafill.runtime.feature_cache import FeatureCache
+    from schemafill.runtime.loading import from_hf_model
 
     art = clone(tiny_continuations, tmp_path / "captured")  # built with the defaults: features kept
     cfg = to_dataclass(compose(args_for(art, tiny_target, "train.head.feature_cache=true")))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from schemafill import atomic
-from schemafill.toolcall import InvalidRequest
+from schemafill.contract.toolcall import InvalidRequest
 from tests.conftest import ROOT, wandb_record
 from train.run import run
 

@@ -9,12 +9,20 @@ import random
 import pytest
 import torch
 
-from schemafill.toolcall import ToolCall, ToolRequest, serialize_calls
+from schemafill.contract.toolcall import ToolCall, ToolRequest, serialize_calls
 from tests.conftest import tiny_llama
 from train.layer_split import lower_states
 from train.sft import Progress, StepCost, detached_context_loss, loss_at_responses, lr_factor, response_loss
-from train.sft_data import (Example, batches, closing_offsets, collate, decision_tokens, natural_first,
-                            split_collate, trim_catalog)
+from train.sft_data import (
+    Example,
+    batches,
+    closing_offsets,
+    collate,
+    decision_tokens,
+    natural_first,
+    split_collate,
+    trim_catalog,
+)
 
 
 def request(tools: list[str], called: list[str]) -> ToolRequest:

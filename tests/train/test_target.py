@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemafill.config import to_dataclass
-from schemafill.models import target_location
+from schemafill.runtime.loading import target_location
 from schemafill.tracking import NullTracker
 from tests.conftest import compose
 from train.target import QualityGateError, build_target, locate_gguf, quality_failures, stratified
@@ -98,7 +98,7 @@ def test_other_targets_are_resolved_not_trained(builtin_artifacts):
 
 
 def test_stratified_subset_is_even_across_categories():
-    from schemafill.toolcall import ToolRequest
+    from schemafill.contract.toolcall import ToolRequest
 
     reqs = [ToolRequest(id=f"{c}_{i}", messages=[{"role": "user", "content": "x"}],
                         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], category=c)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from schemafill.prompt import prompt_ids
-from schemafill.response_format import JSON
+from schemafill.contract.prompt import prompt_ids
+from schemafill.contract.response_format import JSON
 from tests.decoders.test_schemafill import request
 
 ROOT = Path(__file__).resolve().parents[2]

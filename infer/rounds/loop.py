@@ -1,0 +1,292 @@
+"""The round loop every method runs: draft → select → verify → commit, until the response stops,
+for one request or a batch of them.
+
+A method is a declaration of its proposers and its policy: a ``Drafting`` per request says
+what goes with the prompt's prefill (``first``), what each round proposes (``draft``),
+which of it is worth verifying (``select``), and what it learns from each verification
+(``observe``, then ``settle``). The loop owns the order of those steps, the one target call
+per round (``MainSession.verify``, which commits through ``commit.commit``), the host time
+between target calls that selection prices, and the phases of the paper's Table 5. A
+method never writes a loop of its own: AR is the ``Drafting`` that proposes nothing.
+
+Greedy decoding's tokens and serial sampling's distribution are kept whatever a method
+proposes, as long as its proposal depends only on the committed past: the target decides
+every committed token (``session.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Protocol
+
+from infer.rounds.call import Call, Output, Segment
+from infer.rounds.candidates import Candidates
+from infer.rounds.decoding import Decoded, DecodeOptions, Runtime
+from infer.rounds.forward import run
+from infer.rounds.phases import Phases
+from infer.rounds.session import MainSession, Verified
+from infer.rounds.share import ALONE, Share
+from schemafill.runtime.model import Target
+
+
+@dataclass
+class Proposal:
+    """What one target call verifies beside the pending tokens: MAIN's candidate tree (each
+    node tagged with its source) and extra segments (SIDE branches), each settled by the
+    matching entry of ``owners`` (the method's own bookkeeping)."""
+
+    cand: Candidates = field(default_factory=Candidates)
+    extra: list[Segment] = field(default_factory=list)
+    owners: list[Any] = field(default_factory=list)
+    head_drafted: bool = False  # a drafter model spent its time on this round (its worth is measured)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.cand) + sum(len(seg.tokens) for seg in self.extra)
+
+
+class Pricing(Protocol):
+    """What selection needs to learn (``pricing/budget.NodeBudget``)."""
+
+    def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE) -> Candidates: ...
+
+    def observe(self, cand: Candidates, v: Verified, head_drafted: bool = False) -> None: ...
+
+    def host(self, ms: float) -> None: ...
+
+
+class Drafting:
+    """One request's proposers and policy. The defaults propose nothing (AR), select with
+    ``pricing`` when there is one, and learn only what ``pricing`` learns."""
+
+    scratch: int = 0  # most MAIN tree nodes one verification may carry
+    side_capacity: int = 0  # arena rows for SIDE branches
+    phases: tuple[str, ...] = ()  # phases the method times beside the loop's
+
+    def __init__(self, pricing: Pricing | None = None) -> None:
+        self.pricing = pricing
+
+    def start(self, s: MainSession, phases: Phases) -> None:
+        """The session exists, nothing is computed yet."""
+
+    def first(self, s: MainSession) -> Proposal:
+        """What the prompt's prefill verifies besides the prompt."""
+        return Proposal()
+
+    def draft(self, s: MainSession) -> Proposal:
+        """This round's candidates."""
+        return Proposal()
+
+    def select(self, s: MainSession, p: Proposal, share: Share = ALONE) -> Proposal:
+        """The candidates worth their cost (all of them without ``pricing``), as rows of a call
+        that also carries ``share`` (the rest of the batch)."""
+        if self.pricing is None:
+            return p
+        return Proposal(self.pricing.choose(p.cand, s.pending + sum(len(x.tokens) for x in p.extra), share),
+                        p.extra, p.owners, p.head_drafted)
+
+    def observe(self, s: MainSession, p: Proposal, v: Verified) -> None:
+        """What a round's verification says about the proposal (not called for the prefill)."""
+        if self.pricing is not None:
+            self.pricing.observe(p.cand, v, p.head_drafted)
+
+    def settle(self, s: MainSession, p: Proposal, v: Verified) -> None:
+        """After every target call, the prefill's too: the method's state follows the commit."""
+
+    def finish(self, s: MainSession) -> dict[str, Any]:
+        """The response is complete; extra ``Decoded`` fields (e.g. the head's forwards)."""
+        return {}
+
+
+class Proposer(Protocol):
+    """One source of MAIN drafts, asked every round (the EAGLE-3 head, n-gram lookup, a
+    suffix tree, ...)."""
+
+    drafted: bool  # its own model drafted the last proposal (a head: priced by what its drafts bring)
+
+    def start(self, s: MainSession) -> None: ...
+
+    def propose(self, s: MainSession) -> Candidates: ...
+
+    def finish(self, s: MainSession) -> dict[str, Any]: ...
+
+
+class Proposing(Drafting):
+    """The policy of a method with one proposer: every round, what it proposes, priced."""
+
+    def __init__(self, proposer: Proposer, scratch: int, pricing: Pricing | None = None) -> None:
+        super().__init__(pricing)
+        self.proposer, self.scratch = proposer, scratch
+
+    def start(self, s: MainSession, phases: Phases) -> None:
+        self.proposer.start(s)
+
+    def draft(self, s: MainSession) -> Proposal:
+        cand = self.proposer.propose(s)
+        return Proposal(cand, head_drafted=self.proposer.drafted)
+
+    def finish(self, s: MainSession) -> dict[str, Any]:
+        return self.proposer.finish(s)
+
+
+LOOP_PHASES = ("initialisation", "drafting", "verification", "other")
+TOKENS_EMA = 0.2  # weight of a request's newest round in its tokens per round (what its share brings)
+
+
+class Stream:
+    """One request in the round loop: its session, its method's policy, and the call under way.
+    ``error`` holds what ended it early (a client that went away, a failing proposer); the
+    batch goes on without it."""
+
+    def __init__(self, rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> None:
+        self.drafting = drafting
+        self.phases = Phases(*LOOP_PHASES)
+        self.phases.add(*drafting.phases)
+        self.s = MainSession(rt.target, prompt, options.response_stop(rt.tokenizer, rt.eos, rt.max_new_tokens, rt.fmt),
+                             scratch=drafting.scratch, side_capacity=drafting.side_capacity, sampler=options.sampler,
+                             constraint=options.constraint)
+        with self.phases("other"):
+            drafting.start(self.s, self.phases)
+        self.prefilled = False
+        self.proposal = Proposal()
+        self.init_nodes = 0
+        self.rows = 1  # priced rows of its latest call (what it will likely add to the next one)
+        self.tokens = 1.0  # committed tokens per round, running mean
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.prefilled and self.s.done
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens whose KV is still to compute (0 once prefilled)."""
+        return 0 if self.prefilled else len(self.s.prompt) - self.s.n_kv
+
+    def next_call(self, share: Share = ALONE, prefill_tokens: int | None = None) -> Call | None:
+        """This round's call: a piece of the prompt (when more than ``prefill_tokens`` of it are
+        left; None when none may go this round), the prefill with the method's first proposal,
+        or the round's selected draft."""
+        s, d = self.s, self.drafting
+        if not self.prefilled:
+            if prefill_tokens is not None and self.prompt_left > prefill_tokens:
+                return s.chunk_call(prefill_tokens) if prefill_tokens > 0 else None
+            with self.phases("other"):
+                self.proposal = p = d.first(s)
+            call = s.prefill_call(p.cand.tokens, p.cand.parents, p.extra)
+        else:
+            with self.phases("drafting"):
+                self.proposal = p = d.select(s, d.draft(s), share)
+            call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
+        self.rows = call.priced_rows
+        return call
+
+    def take(self, call: Call, out: Output, seconds: float) -> None:
+        """Read this request's share of the round's forward (``seconds`` long) and let the
+        method learn from it."""
+        s, d, p = self.s, self.drafting, self.proposal
+        phase = "verification" if call.kind == "verify" else "initialisation"  # Table 5 leaves the prefill out
+        self.phases.charge(phase, seconds)
+        with self.phases(phase):
+            v = s.take(call, out)
+        if call.kind == "chunk":
+            return
+        with self.phases("other"):
+            if call.kind == "verify":
+                d.observe(s, p, v)
+                self.tokens = (1 - TOKENS_EMA) * self.tokens + TOKENS_EMA * v.committed
+            else:
+                self.prefilled, self.init_nodes = True, p.nodes
+            d.settle(s, p, v)
+
+    def decoded(self) -> Decoded:
+        return self.s.decoded(init_nodes=self.init_nodes, times=self.phases.times, **self.drafting.finish(self.s))
+
+
+class Batch:
+    """Requests decoding together: each ``step`` is one round, one target forward for all of
+    them (module docstring). ``prefill_tokens``: prompt tokens a round may carry while some
+    request decodes (a lone request, or a batch still all prefilling, takes whole prompts)."""
+
+    def __init__(self, target: Target, prefill_tokens: int = 256) -> None:
+        self.target, self.prefill_tokens = target, prefill_tokens
+        self.streams: list[Stream] = []
+        self.since: float | None = None  # when the last forward ended: host time is priced from there
+        self.last_rows = 0  # rows of the latest forward
+
+    def add(self, stream: Stream) -> None:
+        self.streams.append(stream)
+
+    def step(self) -> list[Stream]:
+        """One round for every request; returns those that ended in it (done, or with ``error``)."""
+        streams = [st for st in self.streams if not st.done]
+        budget = self.prefill_tokens if any(st.prefilled for st in streams) else None
+        calls: list[tuple[Stream, Call]] = []
+        # prompts first (their rows are known), then each request's draft priced with the rest of the call
+        for st in sorted(streams, key=lambda st: st.prefilled):
+            try:
+                call = st.next_call(self._share(st, streams, calls), budget)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                st.error = e
+                continue
+            if call is not None:
+                calls.append((st, call))
+                if budget is not None and not st.prefilled:
+                    budget -= call.rows
+        if calls:
+            if self.since is not None:
+                host = 1e3 * (time.perf_counter() - self.since)
+                for st, call in calls:
+                    if call.kind == "verify" and st.drafting.pricing is not None:
+                        st.drafting.pricing.host(host)
+            start = time.perf_counter()
+            outs = run(self.target, [call for _, call in calls])
+            seconds = time.perf_counter() - start
+            self.since, self.last_rows = time.perf_counter(), outs[0].rows
+            for (st, call), out in zip(calls, outs):
+                try:
+                    st.take(call, out, seconds)
+                except Exception as e:  # noqa: BLE001 - e.g. the client went away (``on_commit`` raised)
+                    st.error = e
+        ended = [st for st in self.streams if st.done]
+        self.streams = [st for st in self.streams if not st.done]
+        return ended
+
+    @staticmethod
+    def _share(me: Stream, streams: list[Stream], calls: list[tuple[Stream, Call]]) -> Share:
+        """The rest of this round's call as ``me`` selects (``Share``): the calls built so far, and
+        what the requests still to draft added last round."""
+        built = {id(st) for st, _ in calls}
+        rows = sum(c.priced_rows for st, c in calls) + \
+            sum(st.rows for st in streams if st is not me and id(st) not in built)
+        tokens = sum(st.tokens for st in streams if st is not me and st.prefilled)
+        return Share(rows, tokens)
+
+
+def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> Decoded:
+    """One request, round by round, until its response stops (closed, EOS or the cap)."""
+    batch, stream = Batch(rt.target), Stream(rt, prompt, options, drafting)
+    batch.add(stream)
+    while batch.streams:
+        batch.step()
+    if stream.error is not None:
+        raise stream.error
+    return stream.decoded()
+
+
+def decode_all(target: Target, streams: Iterable[Callable[[], Stream]], concurrency: int, prefill_tokens: int = 256
+               ) -> Iterator[tuple[int, Stream]]:
+    """Requests decoded ``concurrency`` at a time, each made (its arena allocated) only as it
+    joins: yields ``(index, stream)`` as each ends, in the order they end."""
+    batch, pending, index = Batch(target, prefill_tokens), iter(enumerate(streams)), {}
+    while True:
+        while len(batch.streams) < concurrency and (nxt := next(pending, None)) is not None:
+            i, make = nxt
+            stream = make()
+            index[id(stream)] = i
+            batch.add(stream)
+        if not batch.streams:
+            return
+        for stream in batch.step():
+            yield index.pop(id(stream)), stream

@@ -1,0 +1,187 @@
+"""The tool-call data contract every stage agrees on (docs/design.md, "Contracts").
+
+Owns ``ToolRequest`` (one OpenAI-style request: messages, tool catalog, optional
+reference calls), its validation and normalisation, and the canonical
+validation of a response ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, whose text
+``response_format`` owns. Prompt rendering lives in ``prompt``; parsing a partial response
+in ``parser``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemafill.contract import schemas
+from schemafill.contract.response_format import JSON, KEY, ResponseFormat
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class InvalidRequest(ValueError):
+    """A record that is not a usable ToolRequest; the message says why."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    id: str
+    messages: list[dict]  # [{"role": ..., "content": ...}]
+    tools: list[dict]  # OpenAI format: [{"type": "function", "function": {...}}]
+    source: str = ""
+    category: str = ""
+    reference: list[ToolCall] | None = None  # known ground truth, first acceptable value
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def functions(self) -> list[dict]:
+        """The catalog as plain function schemas ({name, description, parameters})."""
+        return [t["function"] for t in self.tools]
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [f["name"] for f in self.functions]
+
+    def user_text(self) -> str:
+        return "\n".join(m["content"] for m in self.messages if m["role"] == "user")
+
+    def to_dict(self) -> dict:
+        out = {
+            "id": self.id,
+            "source": self.source,
+            "category": self.category,
+            "messages": self.messages,
+            "tools": self.tools,
+        }
+        if self.reference is not None:
+            out["reference"] = [c.to_dict() for c in self.reference]
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+    @classmethod
+    def from_dict(cls, record: Any) -> "ToolRequest":
+        """Validate and normalise one record; raise ``InvalidRequest`` naming the problem."""
+        if not isinstance(record, dict):
+            raise InvalidRequest(f"record is a {type(record).__name__}, not an object")
+        rid = record.get("id")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequest("missing or empty 'id'")
+        messages = _validate_messages(record.get("messages"))
+        tools = _validate_tools(record.get("tools"))
+        reference = record.get("reference")
+        if reference is not None:
+            reference = _validate_calls(reference, "reference")
+        meta = record.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise InvalidRequest("'meta' must be an object")
+        return cls(
+            id=rid,
+            messages=messages,
+            tools=tools,
+            source=str(record.get("source", "")),
+            category=str(record.get("category", "")),
+            reference=reference,
+            meta=meta,
+        )
+
+
+def _validate_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("no messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"message {i} is not an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise InvalidRequest(f"message {i} has role {role!r}; expected one of {ROLES}")
+        if not isinstance(content, str):
+            raise InvalidRequest(f"message {i} content is not a string")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in out):
+        raise InvalidRequest("no user message")
+    return out
+
+
+def _validate_tools(tools: Any) -> list[dict]:
+    if tools is None or tools == [] or tools == "":
+        raise InvalidRequest("no tools")
+    if not isinstance(tools, list):
+        raise InvalidRequest(f"'tools' is a {type(tools).__name__}, not a list")
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            raise InvalidRequest(f"tool {i} is not an object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"tool {i} has no name")
+        if name in seen:
+            raise InvalidRequest(f"tool name {name!r} appears twice")
+        seen.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"tool {name!r}: parameters is a {type(params).__name__}, not a schema")
+        params = schemas.normalize(params)
+        if params.get("type", "object") != "object":
+            raise InvalidRequest(f"tool {name!r}: parameters has type {params.get('type')!r}, not 'object'")
+        if not isinstance(params.get("properties", {}), dict):
+            raise InvalidRequest(f"tool {name!r}: parameters.properties is not an object")
+        params.setdefault("type", "object")
+        params.setdefault("properties", {})
+        description = fn.get("description", "")
+        out.append({
+            "type": "function",
+            "function": {"name": name, "description": description if isinstance(description, str) else "",
+                         "parameters": params},
+        })
+    return out
+
+
+def _validate_calls(calls: Any, what: str) -> list[ToolCall]:
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"'{what}' is not a list")
+    out = []
+    for i, c in enumerate(calls):
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise InvalidRequest(f"{what} call {i} has no name")
+        args = c.get("arguments", {})
+        if not isinstance(args, dict):
+            raise InvalidRequest(f"{what} call {i} arguments is not an object")
+        out.append(ToolCall(c["name"], args))
+    return out
+
+
+# ---------------------------------------------------------------------- responses
+def serialize_calls(calls: list[ToolCall], fmt: ResponseFormat = JSON) -> str:
+    """The canonical response text for ``calls`` in ``fmt``."""
+    return fmt.serialize([c.to_dict() for c in calls])
+
+
+def parse_response(text: str, fmt: ResponseFormat = JSON) -> list[ToolCall] | None:
+    """The calls of a complete response in ``fmt``, or None when it is not one valid response."""
+    calls = fmt.parse(text)
+    if calls is None:
+        return None
+    try:
+        return _validate_calls(calls, KEY)
+    except InvalidRequest:
+        return None
+
+
+_NORM_RE = re.compile(r"\s+")
+
+
+def normalized_text(text: str) -> str:
+    """Request text as compared for deduplication: case- and whitespace-insensitive."""
+    return _NORM_RE.sub(" ", text.lower()).strip()

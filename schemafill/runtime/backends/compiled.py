@@ -1,0 +1,228 @@
+"""The compiled backend: the model's layers through ``torch.compile`` (inductor), attention over
+the KV arena eager between them.
+
+What an eager forward spends beside its matrix products and attention is the small ops around
+them — norms, rotary, SiLU·mul, residual adds — each a kernel launch and microseconds of Python.
+Here the work between two attentions is one compiled function (``between``): a layer's output
+projection, residual add, norm, MLP and residual add, then the next layer's norm, Q/K/V product,
+Q/K norms and rotary. Its weights are arguments, so one compiled graph serves every layer
+(a graph per product kernel's row range; past one row, sizes traced as symbols): compiling
+costs a layer's worth, not the model's. Attention — the KV writes, the masks, a packed call's
+parts, the CPU's query blocks — stays eager (``eager.RowsAttention.rotated``), so every call the
+eager backend takes runs here too. Products are the eager probe's fastest among the kernels a
+graph can hold (oneDNN's packed weights cannot be graph inputs: ``Products.dense``).
+
+On a CPU without batch-invariant kernels (fp32: an AVX2-only host, say) ``auto`` takes it where
+a timed probe of the decode loop's calls — one row and a verification's 16, after 512 positions —
+finds it faster than eager (``choose``; the decision cached per host and shape).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from schemafill.runtime import host, host_cache, products
+from schemafill.runtime.backends.eager import Eager, PartsAttention, RowsAttention, reach
+from schemafill.runtime.calls import Forward, Part
+from schemafill.runtime.layers import mask_bias, query_blocks, signed_sin
+from schemafill.runtime.model import DecoderLayer, Target
+from schemafill.runtime.storage import KVArena
+from schemafill.runtime.timing import alternating_ms
+
+MARGIN = 0.95  # compiled is chosen where its calls take at most this share of eager's time
+PROBE_CONTEXT = 512  # committed positions the probe's calls attend to
+PROBE_ROWS = (1, 16)  # an AR step and a verification
+Plan = tuple[tuple[int, str], ...]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
+    # x: [B, T, In] -> [B, T, Out], on the kernel the plan gives its rows
+    rows = x.shape[0] * x.shape[1]
+    y = products.on_weights(x.reshape(rows, -1), weight, bias, products.kernel_at(plan, rows))
+    return y.view(x.shape[0], x.shape[1], -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 == weight.dtype:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def attention_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,
+                 qkv_bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                 plan: Plan, heads: tuple[int, int, int], eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's norm, Q/K/V product, Q/K norms and rotary: rotated q [B, Hq, T, hd], k and v [B, Hkv, T, hd]."""
+    hq, hkv, hd = heads
+    b, t, _ = x.shape
+    q, k, v = linear(rms_norm(x, norm, eps), qkv, qkv_bias, plan).view(b, t, -1, hd).transpose(1, 2).split(
+        [hq, hkv, hkv], dim=1)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    return q * cos + q.roll(hd // 2, dims=-1) * sin, k * cos + k.roll(hd // 2, dims=-1) * sin, v
+
+
+def attention_out(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,
+                  norm: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
+                  down_bias: torch.Tensor | None, plan: Plan, eps: float) -> torch.Tensor:
+    """The rest of a layer after its attention ([B, Hq, T, hd]): output projection, residual, MLP, residual."""
+    b, _, t, _ = attn.shape
+    x = x + linear(attn.transpose(1, 2).reshape(b, t, -1), o, o_bias, plan)
+    gate, up = linear(rms_norm(x, norm, eps), gate_up, gate_up_bias, plan).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down, down_bias, plan)
+
+
+def between(x: torch.Tensor, attn: torch.Tensor, out_weights: tuple, in_weights: tuple, cos: torch.Tensor,
+            sin: torch.Tensor, plan: Plan, heads: tuple[int, int, int], eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's ``attention_out`` and the next one's ``attention_in``: the residual stream and rotated q, k, v."""
+    x = attention_out(x, attn, *out_weights, plan, eps)
+    return (x, *attention_in(x, cos, sin, *in_weights, plan, heads, eps))
+
+
+def leave(x: torch.Tensor, attn: torch.Tensor, out_weights: tuple, norm: torch.Tensor, head: torch.Tensor,
+          logits_at: torch.Tensor | None, plan: Plan, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's ``attention_out``, the final norm and the LM head (at ``logits_at`` [B, K])."""
+    x = attention_out(x, attn, *out_weights, plan, eps)
+    if logits_at is not None:
+        x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+    final = rms_norm(x, norm, eps)
+    return final, linear(final, head, None, plan)
+
+
+def in_weights(layer: DecoderLayer) -> tuple:
+    a = layer.self_attn
+    norms = (a.q_norm.weight, a.k_norm.weight) if a.c.qk_norm else (None, None)
+    return (layer.input_layernorm.weight, a.qkv.weight, a.qkv.bias, *norms)
+
+
+def out_weights(layer: DecoderLayer) -> tuple:
+    a, m = layer.self_attn, layer.mlp
+    return (a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight, m.gate_up.weight, m.gate_up.bias,
+            m.down_proj.weight, m.down_proj.bias)
+
+
+class Compiled:
+    """The model's layers as compiled functions between eager attentions (module docstring)."""
+
+    name = "compiled"
+
+    def __init__(self, target: Target, eager: Eager, why: str = "") -> None:
+        self.target, self.eager, self.why = target.fuse(), eager, why
+        c = target.config
+        self.heads, self.eps = (c.num_heads, c.num_kv_heads, c.head_dim), c.rms_norm_eps
+        self.plan = eager.products.dense() if eager.products is not None else ((1, "plain"),)
+        self._in = torch.compile(attention_in)
+        self._between = torch.compile(between)
+        self._leave = torch.compile(leave)
+
+    def new_arena(self, rows: int, capacity: int) -> KVArena:
+        return self.eager.new_arena(rows, capacity)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visibility: torch.Tensor,
+                write_slots: torch.Tensor, arena: KVArena, rows: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, spans: list[tuple[int, int]] | None = None) -> Forward:
+        e = self.eager
+        blocks = query_blocks(reach(visibility), e.block_overhead) \
+            if spans is None and visibility.device.type == "cpu" else None
+        bias = mask_bias(visibility, self.target.dtype)
+        return self._run(tokens, positions, RowsAttention(arena, rows, write_slots, bias, spans, blocks, e.fold),
+                         logits_at)
+
+    def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
+               logits_at: torch.Tensor | None = None) -> Forward:
+        e = self.eager
+        cpu = tokens.device.type == "cpu"
+        blocks = [query_blocks(reach(p.visibility[None]), e.block_overhead) if cpu else None for p in parts]
+        biases = [mask_bias(p.visibility[None], self.target.dtype) for p in parts]
+        return self._run(tokens[None], positions[None], PartsAttention(parts, blocks, biases, e.fold),
+                         None if logits_at is None else logits_at[None])
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: RowsAttention | PartsAttention,
+             logits_at: torch.Tensor | None) -> Forward:
+        # tokens, positions: [B, T]; logits_at: [B, K]
+        target, c = self.target, self.target.config
+        layers, plan, heads, eps = target.model.layers, self.plan, self.heads, self.eps
+        x = target.model.embed_tokens(tokens)  # [B, T, H]
+        cos, sin = target.rotary(positions, x.dtype)
+        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, T, hd]
+        saved = {0: x} if 0 in c.aux_layer_ids else {}
+        q, k, v = self._in(x, cos, sin, *in_weights(layers[0]), plan, heads, eps)
+        for i, layer in enumerate(layers[:-1]):
+            x, q, k, v = self._between(x, attend.rotated(i, q, k, v), out_weights(layer), in_weights(layers[i + 1]),
+                                       cos, sin, plan, heads, eps)
+            if i + 1 in c.aux_layer_ids:
+                saved[i + 1] = x
+        final, logits = self._leave(x, attend.rotated(len(layers) - 1, q, k, v), out_weights(layers[-1]),
+                                    target.model.norm.weight, target.lm_head.weight, logits_at, plan, eps)
+        aux = torch.cat([saved[i] for i in c.aux_layer_ids], dim=-1)
+        return Forward(logits=logits.float(), aux=aux, final=final)
+
+    def draft_steps(self, head: nn.Module) -> None:
+        return None  # a head drafts eagerly beside it
+
+    def key(self) -> str:
+        return f"{products.Products(self.plan).describe()}|fold{int(self.eager.fold)}"
+
+    def summary(self) -> dict:
+        return {"backend": self.name, "why": self.why, "products": products.Products(self.plan).describe(),
+                "fold_groups": self.eager.fold}
+
+
+def build(target: Target, eager: Eager, why: str = "") -> Compiled:
+    """The compiled backend over ``eager`` (its tuned products and attention)."""
+    if target.device.type != "cpu":
+        raise ValueError("the compiled backend runs a CPU target (a GPU replays CUDA graphs: model.backend=cuda_graphs)")
+    return Compiled(target, eager, why)
+
+
+@torch.inference_mode()
+def probe(target: Target, backends: list, repeats: int = 5) -> list[float]:
+    """Milliseconds of the decode loop's calls on each backend: a one-row step and a verification
+    of ``PROBE_ROWS[-1]`` rows after ``PROBE_CONTEXT`` positions, summed, the backends in turn."""
+    dev, n = target.device, max(PROBE_ROWS)
+    width = PROBE_CONTEXT + n
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g)
+    positions = torch.arange(width)[None]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
+    calls = []
+    for backend in backends:
+        arena = backend.new_arena(1, width)
+        backend.forward(tokens[:, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT],
+                        causal[:, :PROBE_CONTEXT, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT], arena)
+
+        def decode(backend=backend, arena=arena) -> None:
+            for rows in PROBE_ROWS:
+                s = slice(PROBE_CONTEXT, PROBE_CONTEXT + rows)
+                backend.forward(tokens[:, s], positions[:, s], causal[:, s, :s.stop], positions[:, s], arena)
+
+        calls.append(decode)
+    return alternating_ms(calls, dev, repeats)
+
+
+def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
+    """Compiled where its timed probe beats eager by ``MARGIN``, else eager; the decision and its
+    timings cached per host, target shape, dtype and the eager plan (the first time compiles too)."""
+    c = target.config
+    key = "|".join([f"{c.family}-L{c.num_layers}-H{c.hidden_size}-I{c.intermediate_size}-V{c.vocab_size}",
+                    str(target.dtype), eager.key(), *host.timing_key()])
+    path = host_cache.entry(cache_dir or host_cache.folder("backends"), key)
+    saved = host_cache.read(path, key)
+    if saved is None or not {"eager_ms", "compiled_ms"} <= set(saved):
+        start = time.perf_counter()
+        compiled = Compiled(target, eager)
+        eager_ms, compiled_ms = probe(target, [eager, compiled])
+        saved = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3),
+                 "probe_s": round(time.perf_counter() - start, 1)}
+        host_cache.write(path, key, saved, "the backend probe")
+    measured = f"eager {saved['eager_ms']:.1f} ms, compiled {saved['compiled_ms']:.1f} ms for c({PROBE_ROWS[0]}) + " \
+               f"c({PROBE_ROWS[-1]})"
+    if saved["compiled_ms"] <= MARGIN * saved["eager_ms"]:
+        return Compiled(target, eager, why=f"auto: the timed probe ({measured}): compiled")
+    eager.why = f"auto: the timed probe ({measured}): eager"
+    return eager

@@ -1,0 +1,191 @@
+"""Batches in the round loop: several requests, of different methods, verified in one target
+forward per round; each one's tokens equal its own batch-1 AR output whatever it is batched
+with, joining and leaving between rounds, its prompt in pieces while others decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.decoders import eagle3, ngram, slot_parallel, suffix, toolspec
+from infer.pricing.budget import NodeBudget
+from infer.pricing.cost_model import CostModel
+from infer.pricing.selection import select
+from infer.proposers.head import SCHEMAFILL_BUDGET, TreeBudget
+from infer.rounds import loop
+from infer.rounds.constraint import SchemaGrammars
+from infer.rounds.decoding import DecodeOptions, Runtime
+from infer.rounds.sampling import Sampler
+from infer.rounds.share import Share
+from infer.slots.policy import SchemaFillConfig
+from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
+from schemafill.contract.prompt import prompt_ids
+from schemafill.runtime.loading import load_target, load_tokenizer
+from tests.conftest import decode_ar
+from tests.decoders.test_schemafill import CASES, random_head, request
+
+STEEP = CostModel((1, 64), (10.0, 10.0 + 63 * 4.0))  # rows cost enough that selection prunes
+
+
+class Cancelled(Exception):
+    pass
+
+
+def cancel_after(n: int):
+    def on_commit(ids: list[int]) -> None:
+        if len(ids) >= n:
+            raise Cancelled()
+    return on_commit
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target):
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    tok = load_tokenizer(str(tiny_target))
+    return target, tok, frozenset({tok.eos_token_id})
+
+
+def methods(target, tok, eos, max_new):
+    rt = Runtime(target, tok, eos, max_new)
+    head = random_head(target)
+    return {"ar": None,
+            "eagle3": eagle3.declare(rt, head, TreeBudget(3, 3, 10), NodeBudget(STEEP)),
+            "ngram": ngram.declare(rt, NgramConfig()),
+            "suffix": suffix.declare(rt, SuffixConfig(), NodeBudget(STEEP)),
+            "toolspec": toolspec.declare(rt, ToolSpecConfig()),
+            "schemafill": slot_parallel.declare(rt, head, SchemaFillConfig(budget=SCHEMAFILL_BUDGET), NodeBudget(STEEP))}
+
+
+def test_a_batch_of_every_method_and_edge_case_equals_each_requests_batch_1_output(tiny):
+    """Thirteen requests, two or three per method, decoded three to five at a time with prompts in pieces:
+    stopping at the first token, at the length cap, under the response grammar, sampled, and
+    cancelled mid-way, each beside the others. Every greedy one, and AR's sample under its seed,
+    ends as it ends alone; a speculative sample ends as a sample does."""
+    target, tok, eos = tiny
+    decoders = methods(target, tok, eos, 24)
+    grammars = SchemaGrammars(tok, target.config.vocab_size)
+    rt = Runtime(target, tok, eos, 24)
+    names = list(CASES)
+    jobs = []  # (method, request, prompt, options factory, what it must equal)
+    # 0 first token, 1 length cap, 2 grammar, 3 sampled, 4 cancelled, 5 plain
+    cases = {"ar": (3, 0), "eagle3": (1, 2), "ngram": (4, 5), "suffix": (0, 2), "toolspec": (3, 1),
+             "schemafill": (4, 2, 5)}
+    for k, (method, decoder) in enumerate(decoders.items()):
+        for j, case in enumerate(cases[method]):
+            req = request(names[(2 * k + j) % len(names)])
+            ids = prompt_ids(req, "plain", tok)
+            if case == 0:
+                opts = lambda: DecodeOptions(max_new_tokens=1)  # noqa: E731 - stops at the first token
+            elif case == 1:
+                opts = lambda: DecodeOptions(max_new_tokens=5)  # noqa: E731
+            elif case == 2:
+                opts = lambda req=req: DecodeOptions(constraint=grammars.constraint(req.functions))  # noqa: E731
+            elif case == 3:
+                opts = lambda: DecodeOptions(sampler=Sampler(0.8, 0.95, seed=11))  # noqa: E731
+            elif case == 4:
+                opts = lambda: DecodeOptions(on_commit=cancel_after(3))  # noqa: E731
+            else:
+                opts = lambda: DecodeOptions()  # noqa: E731
+            alone = None if case == 4 else decode_ar(target, tok, ids, opts().cap(24), eos, opts().sampler,
+                                                      opts().constraint)
+            jobs.append((method, decoder, req, ids, opts, alone))
+
+    def make(method, decoder, req, ids, opts):
+        if decoder is None:
+            return lambda: loop.Stream(rt, ids, opts(), loop.Drafting())
+        return lambda: decoder.stream(req, ids, opts())
+
+    for concurrency, pieces in ((3, 16), (5, 7)):
+        ended = dict(loop.decode_all(target, [make(*job[:5]) for job in jobs], concurrency, prefill_tokens=pieces))
+        assert sorted(ended) == list(range(len(jobs)))
+        for i, (method, _, req, _, opts, alone) in enumerate(jobs):
+            stream = ended[i]
+            if opts().on_commit is not None:
+                assert isinstance(stream.error, Cancelled), (method, req.id)
+                continue
+            assert stream.error is None, (method, req.id, stream.error)
+            out = stream.decoded()
+            if opts().sampler is not None and method != "ar":
+                # a speculative sample draws as its drafts dictate: the same distribution, not the same draw
+                assert out.stop in ("closed", "eos", "length") and 0 < len(out.ids) <= 24, (method, req.id)
+                continue
+            assert out.ids == alone.ids and out.stop == alone.stop, (method, req.id, concurrency)
+
+
+def test_batched_rounds_verify_every_request_in_one_forward_and_prefill_in_pieces(tiny):
+    """Two AR requests and one whose prompt joins later: each round is one forward, a prompt
+    longer than the round's allowance goes in pieces beside the decoding ones, and the pieces
+    leave the KV a whole prefill would."""
+    target, tok, eos = tiny
+    rt = Runtime(target, tok, eos, 16)
+    prompts = [prompt_ids(request(n), "plain", tok) for n in ("bm25", "one_tool")]
+    prompts.append(prompt_ids(request("twenty"), "plain", tok)[:150])
+    forwards = []
+    real = target.packed
+
+    def counting(tokens, positions, parts, logits_at=None):
+        forwards.append([p.slots.shape[0] for p in parts])
+        return real(tokens, positions, parts, logits_at)
+
+    target.packed = counting
+    try:
+        batch = loop.Batch(target, prefill_tokens=32)
+        first = [loop.Stream(rt, p, DecodeOptions(), loop.Drafting()) for p in prompts[:2]]
+        for st in first:
+            batch.add(st)
+        batch.step()
+        assert forwards[-1] == [len(prompts[0]), len(prompts[1])]  # nobody decodes yet: whole prompts
+        late = loop.Stream(rt, prompts[2], DecodeOptions(), loop.Drafting())
+        batch.add(late)
+        while not late.prefilled:
+            batch.step()
+        pieces = [rows[0] for rows in forwards[1:]]  # the late prompt first in each forward
+        assert pieces == [32, 32, 32, 32, 22]  # the last prompt token goes with the prefill's call
+        assert all(rows[1:] == [1, 1] for rows in forwards[1:])  # the others went on decoding, one row each
+        while batch.streams:
+            batch.step()
+    finally:
+        del target.packed
+    for st, p in zip(first + [late], prompts):
+        assert st.decoded().ids == decode_ar(target, tok, p, 16, eos).ids
+
+
+def test_selection_prices_a_requests_rows_as_part_of_the_batch():
+    """Alone, a node worth 0.5 tokens is kept at 4 ms a row on a 10 ms call; beside seven
+    requests that bring 14 tokens for 8 rows, the same node is not worth a row."""
+    cost = STEEP
+    parents, values = [-1, 0], [0.5, 0.2]
+    assert select(parents, values, cost, fixed_rows=1) == [0]
+    share = Share(rows=8, tokens=14.0)
+    assert select(parents, values, lambda n: cost(n + share.rows), 1, base=1 + share.tokens) == []
+    budget = NodeBudget(STEEP)
+    assert budget.best(parents, values, 1)[0] == [0] and budget.best(parents, values, 1, share=share)[0] == []
+
+
+def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
+    """A prompt's KV is owed whatever anyone drafts: a request pricing its draft beside another's
+    prompt piece or prefill sees only the rows that bring this round's tokens."""
+    target, tok, eos = tiny
+    rt = Runtime(target, tok, eos, 16)
+    sf = methods(target, tok, eos, 16)["schemafill"]
+    decoding = loop.Stream(rt, prompt_ids(request("one_tool"), "plain", tok), DecodeOptions(), loop.Drafting())
+    batch = loop.Batch(target, prefill_tokens=32)
+    batch.add(decoding)
+    batch.step()
+    long_prompt = prompt_ids(request("twenty"), "plain", tok)[:150]
+    late = loop.Stream(rt, long_prompt, DecodeOptions(), loop.Drafting())
+    piece = late.next_call(prefill_tokens=32)
+    assert piece.kind == "chunk" and piece.rows == 32 and piece.priced_rows == 0
+    assert loop.Batch._share(decoding, [decoding, late], [(late, piece)]) == Share(0, 0.0)
+
+    r = request("one_tool")
+    joining = sf.stream(r, prompt_ids(r, "plain", tok), DecodeOptions())
+    prefill = joining.next_call(prefill_tokens=None)
+    tree = len(prefill.tree_tokens)
+    assert prefill.kind == "prefill" and tree > 0  # the forecast's first proposal rides with it
+    # the prompt's last token (its logits give the first token), the tree and the SIDE rows
+    assert prefill.priced_rows == 1 + tree + prefill.extra_rows < prefill.rows
+    step = decoding.next_call()
+    assert step.kind == "verify" and step.priced_rows == step.rows == 1
+    assert loop.Batch._share(late, [decoding, late, joining], [(joining, prefill), (decoding, step)]) == \
+        Share(prefill.priced_rows + 1, decoding.tokens)

@@ -1,0 +1,121 @@
+"""The backends behind one call interface: each gives ``transformers``' numbers, the decoders
+stay lossless on each, ``auto`` chooses by what the host has and measures, and the compiled
+backend compiles a layer's worth once for every layer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from tests.conftest import decode_ar, decode_tree
+from tests.decoders.test_decoders import CharTokenizer, RandomTree, random_head
+from tests.runtime.test_runtime import VOCAB, hf_model
+
+from infer.proposers.head import HeadDrafter, TreeBudget
+from schemafill.config import BACKENDS
+from schemafill.runtime import backends
+from schemafill.runtime.backends import batch_invariant, compiled, cuda_graphs
+from schemafill.runtime.calls import Part, causal_visibility
+from schemafill.runtime.loading import from_hf_model
+from schemafill.runtime.model import sharing
+
+ON_THIS_HOST = ["eager", "compiled", "cuda_graphs"] + (["batch_invariant"] if batch_invariant.possible(torch.float32)
+                                                       else [])
+
+
+def on(name: str, model, aux=(1, 2, 3)):
+    """A target sharing ``model``'s weights on backend ``name`` (the graphs' padded calls run eagerly on a CPU)."""
+    target = from_hf_model(model, aux_layer_ids=list(aux), backend="eager")
+    if name == "cuda_graphs":
+        target.backend = cuda_graphs.build(target, target.backend, capture=torch.cuda.is_available())
+    elif name != "eager":
+        backends.attach(target, name)
+    return target
+
+
+def test_the_config_names_every_backend_and_auto():
+    assert set(BACKENDS) == {"auto", *backends.BUILDERS}
+
+
+@pytest.mark.parametrize("name", ON_THIS_HOST)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_every_backend_gives_transformers_logits_in_both_call_shapes(name, family):
+    model = hf_model(family, seed=6)
+    target = on(name, model)
+    assert target.backend.name == name and target.backend.summary()["backend"] == name
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    pos = torch.arange(20)[None]
+    arena = target.new_arena(1, 32)
+    rows = target(ids[:, :12], pos[:, :12], causal_visibility(pos[:, :12], 32), pos[:, :12], arena)
+    packed = target.packed(ids[0, 12:], pos[0, 12:], [Part(arena, 0, pos[0, 12:], causal_visibility(pos[:, 12:], 20)[0])])
+    logits = torch.cat([rows.logits, packed.logits], dim=1)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
+    aux = torch.cat([rows.aux, packed.aux], dim=1)
+    torch.testing.assert_close(aux, torch.cat([ref.hidden_states[i] for i in (1, 2, 3)], -1), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decoders_on_the_compiled_backend_equal_its_ar(family):
+    """Lossless on the backend it runs: random trees and an EAGLE-3 head over compiled calls give
+    the compiled AR's tokens, which are the eager AR's here."""
+    model = hf_model(family, seed=7)
+    target, plain = on("compiled", model), on("eager", model)
+    head = random_head(target, seed=5)
+    tok, rng = CharTokenizer(-1), random.Random(3)
+    for case in range(2):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 30))]
+        ar = decode_ar(target, tok, prompt, 24, frozenset())
+        assert ar.ids == decode_ar(plain, tok, prompt, 24, frozenset()).ids
+        for drafter in (RandomTree(case), HeadDrafter(head, TreeBudget(topk=3, depth=3, total=8))):
+            assert decode_tree(target, tok, prompt, 24, frozenset(), drafter, scratch=32).ids == ar.ids, case
+
+
+def test_the_compiled_backend_compiles_a_layers_worth_once_for_every_layer():
+    """The weights are the compiled functions' arguments: a five-layer target decoding one row
+    and trees of a few sizes compiles a graph per function and row class, not per layer."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    target = on("compiled", hf_model("llama", seed=8))
+    tok = CharTokenizer(-1)
+    decode_tree(target, tok, list(range(5, 30)), 16, frozenset(), RandomTree(0), scratch=32)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 0 < graphs < target.config.num_layers * 3, graphs
+
+
+def test_auto_chooses_by_device_dtype_and_a_cached_probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = hf_model("llama", seed=9)
+    generating = from_hf_model(model)  # a target that generates batches: no decode probe
+    assert generating.backend.name == "eager" and not list(tmp_path.rglob("*.json"))
+    target = from_hf_model(model, backend="eager")
+    chosen = compiled.choose(target, target.backend)
+    (entry,) = (tmp_path / "schemafill" / "backends").glob("*.json")
+    saved = json.loads(entry.read_text())
+    assert saved["eager_ms"] > 0 and saved["compiled_ms"] > 0 and "timed probe" in chosen.summary()["why"]
+    assert chosen.name == ("compiled" if saved["compiled_ms"] <= compiled.MARGIN * saved["eager_ms"] else "eager")
+    # the cached timings decide the next load, without timing again
+    for compiled_ms, expected in ((0.5 * saved["eager_ms"], "compiled"), (2.0 * saved["eager_ms"], "eager")):
+        entry.write_text(json.dumps({**saved, "compiled_ms": compiled_ms}))
+        again = from_hf_model(model, backend="eager")
+        assert compiled.choose(again, again.backend).name == expected
+    if batch_invariant.possible(torch.bfloat16):
+        bf16 = from_hf_model(hf_model("llama", seed=9).to(torch.bfloat16))
+        assert bf16.backend.name == "batch_invariant"
+
+
+def test_a_backend_the_host_cannot_run_is_named():
+    model = hf_model("llama", seed=2)
+    with pytest.raises(ValueError, match="model.backend"):
+        backends.attach(from_hf_model(model, backend="eager"), "fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            from_hf_model(model, backend="cuda_graphs")
+    bare = sharing(model)  # weights, no backend yet
+    with pytest.raises(RuntimeError, match="no backend"):
+        bare.new_arena(1, 8)

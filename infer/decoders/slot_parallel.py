@@ -1,6 +1,6 @@
 """SchemaFill: BM25 tool forecast, SIDE branches that prepare argument values, packing of
 prepared values with structural text across fields and calls, one shared tree verification
-per round (``slots/drafting.py`` has the policy; ``slots/`` the machinery). ``schemafill``
+per round (``slots/policy.py`` has the policy; ``slots/`` the machinery). ``schemafill``
 runs at ``decode.ablation``; ``schemafill_A`` .. ``schemafill_D`` at that stage of the paper's
 Table 2."""
 

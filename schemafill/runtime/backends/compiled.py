@@ -8,13 +8,17 @@ projection, residual add, norm, MLP and residual add, then the next layer's norm
 Q/K norms and rotary. Its weights are arguments, so one compiled graph serves every layer
 (a graph per product kernel's row range; past one row, sizes traced as symbols): compiling
 costs a layer's worth, not the model's. Attention — the KV writes, the masks, a packed call's
-parts, the CPU's query blocks — stays eager (``eager.RowsAttention.rotated``), so every call the
-eager backend takes runs here too. Products are the eager probe's fastest among the kernels a
-graph can hold (oneDNN's packed weights cannot be graph inputs: ``Products.dense``).
+parts, the CPU's query blocks — stays eager (``eager.RowsAttention.rotated``), so every call shape
+the eager backend takes runs here too.
+
+Products: a graph holds the kernels over the weights themselves, not oneDNN's packed copies
+(which cannot be graph inputs), so a call whose rows the eager probe gave the packed kernel runs
+on the eager backend instead (on most x86 hosts, verifications of more than a few rows), and the
+others take the eager probe's fastest dense kernel (``Products.dense``).
 
 On a CPU without batch-invariant kernels (fp32: an AVX2-only host, say) ``auto`` takes it where
-a timed probe of the decode loop's calls — one row and a verification's 16, after 512 positions —
-finds it faster than eager (``choose``; the decision cached per host and shape).
+a timed probe of the decode loop's calls it covers — a one-row step, a 16-row verification,
+after 512 positions — finds it faster than eager (``choose``; cached per host and shape).
 """
 
 from __future__ import annotations
@@ -115,10 +119,36 @@ class Compiled:
         self.target, self.eager, self.why = target.fuse(), eager, why
         c = target.config
         self.heads, self.eps = (c.num_heads, c.num_kv_heads, c.head_dim), c.rms_norm_eps
-        self.plan = eager.products.dense() if eager.products is not None else ((1, "plain"),)
+        # the eager plan says which calls go eagerly (the packed kernel), the dense one runs the rest
+        self.eager_plan = eager.products.plan if eager.products is not None else ()
+        self.plan = eager.products.dense() if eager.products is not None else ()
+        # a graph per row count first seen, then (a second count in the same kernel's range) rows
+        # traced as a symbol: a handful of small graphs, whatever rows the loop sends
         self._in = torch.compile(attention_in)
         self._between = torch.compile(between)
         self._leave = torch.compile(leave)
+        self.compile_s = 0.0
+
+    @torch.inference_mode()
+    def warm(self) -> "Compiled":
+        """Compile now what the decode loop's calls need — one row, and a few rows traced as a
+        symbol, with and without ``logits_at`` — so that no call compiles mid-decode."""
+        sizes = [r for r in (1, 2, 3) if self.covers(r)]
+        if not sizes:
+            return self
+        start = time.perf_counter()
+        arena = self.new_arena(1, 2 * max(sizes))
+        for rows in sizes:
+            tokens, positions = torch.zeros(1, rows, dtype=torch.long), torch.arange(rows)[None]
+            visible = torch.ones(1, rows, rows, dtype=torch.bool).tril()
+            for at in (None, torch.tensor([[rows - 1]])):
+                self.forward(tokens, positions, visible, positions, arena, logits_at=at)
+        self.compile_s = round(time.perf_counter() - start, 1)
+        return self
+
+    def covers(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows runs compiled (not on the packed kernel, which runs eagerly)."""
+        return products.kernel_at(self.eager_plan, rows) != "packed"
 
     def new_arena(self, rows: int, capacity: int) -> KVArena:
         return self.eager.new_arena(rows, capacity)
@@ -127,6 +157,8 @@ class Compiled:
                 write_slots: torch.Tensor, arena: KVArena, rows: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, spans: list[tuple[int, int]] | None = None) -> Forward:
         e = self.eager
+        if not self.covers(tokens.numel()):
+            return e.forward(tokens, positions, visibility, write_slots, arena, rows, logits_at, spans)
         blocks = query_blocks(reach(visibility), e.block_overhead) \
             if spans is None and visibility.device.type == "cpu" else None
         bias = mask_bias(visibility, self.target.dtype)
@@ -136,6 +168,8 @@ class Compiled:
     def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
                logits_at: torch.Tensor | None = None) -> Forward:
         e = self.eager
+        if not self.covers(tokens.numel()):
+            return e.packed(tokens, positions, parts, logits_at)
         cpu = tokens.device.type == "cpu"
         blocks = [query_blocks(reach(p.visibility[None]), e.block_overhead) if cpu else None for p in parts]
         biases = [mask_bias(p.visibility[None], self.target.dtype) for p in parts]
@@ -166,25 +200,26 @@ class Compiled:
         return None  # a head drafts eagerly beside it
 
     def key(self) -> str:
-        return f"{products.Products(self.plan).describe()}|fold{int(self.eager.fold)}"
+        return f"{self.eager.key()}|dense:{products.Products(self.plan).describe()}"
 
     def summary(self) -> dict:
-        return {"backend": self.name, "why": self.why, "products": products.Products(self.plan).describe(),
-                "fold_groups": self.eager.fold}
+        return {"backend": self.name, "why": self.why, "products": self.eager.summary()["products"],
+                "graph_products": products.Products(self.plan).describe(), "fold_groups": self.eager.fold,
+                "compile_s": self.compile_s}
 
 
 def build(target: Target, eager: Eager, why: str = "") -> Compiled:
     """The compiled backend over ``eager`` (its tuned products and attention)."""
     if target.device.type != "cpu":
         raise ValueError("the compiled backend runs a CPU target (a GPU replays CUDA graphs: model.backend=cuda_graphs)")
-    return Compiled(target, eager, why)
+    return Compiled(target, eager, why).warm()
 
 
 @torch.inference_mode()
-def probe(target: Target, backends: list, repeats: int = 5) -> list[float]:
-    """Milliseconds of the decode loop's calls on each backend: a one-row step and a verification
-    of ``PROBE_ROWS[-1]`` rows after ``PROBE_CONTEXT`` positions, summed, the backends in turn."""
-    dev, n = target.device, max(PROBE_ROWS)
+def probe(target: Target, backends: list, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5) -> list[float]:
+    """Milliseconds of decode calls on each backend: for each of ``rows``, a call of that many rows
+    after ``PROBE_CONTEXT`` positions, summed; the backends timed in turn."""
+    dev, n = target.device, max(rows)
     width = PROBE_CONTEXT + n
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g)
@@ -192,13 +227,13 @@ def probe(target: Target, backends: list, repeats: int = 5) -> list[float]:
     causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
     calls = []
     for backend in backends:
-        arena = backend.new_arena(1, width)
-        backend.forward(tokens[:, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT],
-                        causal[:, :PROBE_CONTEXT, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT], arena)
+        arena = backends[0].new_arena(1, width)  # the context prefilled by the first (eager): it is not timed
+        backends[0].forward(tokens[:, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT],
+                            causal[:, :PROBE_CONTEXT, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT], arena)
 
         def decode(backend=backend, arena=arena) -> None:
-            for rows in PROBE_ROWS:
-                s = slice(PROBE_CONTEXT, PROBE_CONTEXT + rows)
+            for r in rows:
+                s = slice(PROBE_CONTEXT, PROBE_CONTEXT + r)
                 backend.forward(tokens[:, s], positions[:, s], causal[:, s, :s.stop], positions[:, s], arena)
 
         calls.append(decode)
@@ -206,23 +241,33 @@ def probe(target: Target, backends: list, repeats: int = 5) -> list[float]:
 
 
 def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
-    """Compiled where its timed probe beats eager by ``MARGIN``, else eager; the decision and its
-    timings cached per host, target shape, dtype and the eager plan (the first time compiles too)."""
+    """Compiled where a timed probe of the decode calls it covers (of ``PROBE_ROWS``: those the
+    eager plan gives no packed kernel) beats eager by ``MARGIN``, else eager. The timings are
+    cached per host, target shape, dtype and eager plan (the first time compiles too); the choice
+    and why are the backend's ``summary``."""
     c = target.config
+    compiled = Compiled(target, eager)
+    rows = tuple(r for r in PROBE_ROWS if compiled.covers(r))
+    if not rows:
+        eager.why = "auto: the eager plan's packed products run every decode call (no compiled graph holds them)"
+        return eager
     key = "|".join([f"{c.family}-L{c.num_layers}-H{c.hidden_size}-I{c.intermediate_size}-V{c.vocab_size}",
-                    str(target.dtype), eager.key(), *host.timing_key()])
+                    str(target.dtype), compiled.key(), f"rows{rows}", *host.timing_key()])
     path = host_cache.entry(cache_dir or host_cache.folder("backends"), key)
     saved = host_cache.read(path, key)
-    if saved is None or not {"eager_ms", "compiled_ms"} <= set(saved):
+    cached = saved is not None and {"eager_ms", "compiled_ms"} <= set(saved)
+    if not cached:
         start = time.perf_counter()
-        compiled = Compiled(target, eager)
-        eager_ms, compiled_ms = probe(target, [eager, compiled])
+        probe(target, [eager, compiled], rows, repeats=1)  # compiles, and the host settles after the load
+        eager_ms, compiled_ms = probe(target, [eager, compiled], rows, repeats=15)
         saved = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3),
                  "probe_s": round(time.perf_counter() - start, 1)}
         host_cache.write(path, key, saved, "the backend probe")
-    measured = f"eager {saved['eager_ms']:.1f} ms, compiled {saved['compiled_ms']:.1f} ms for c({PROBE_ROWS[0]}) + " \
-               f"c({PROBE_ROWS[-1]})"
+    calls = " + ".join(f"c({r})" for r in rows)
+    measured = (f"timed probe{' (cached)' if cached else ''}: {calls} eager {saved['eager_ms']:.1f} ms, "
+                f"compiled {saved['compiled_ms']:.1f} ms")
     if saved["compiled_ms"] <= MARGIN * saved["eager_ms"]:
-        return Compiled(target, eager, why=f"auto: the timed probe ({measured}): compiled")
-    eager.why = f"auto: the timed probe ({measured}): eager"
+        compiled.why = f"auto: {measured}: compiled"
+        return compiled.warm()
+    eager.why = f"auto: {measured}: eager"
     return eager

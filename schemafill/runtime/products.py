@@ -40,7 +40,6 @@ class Products:
 
     plan: tuple[tuple[int, str], ...] = ()
     packed: dict[nn.Linear, torch.Tensor] = field(default_factory=dict)
-    timings: dict[int, dict[str, float]] = field(default_factory=dict)  # the probe's: rows -> kernel -> ms
 
     def kernel(self, rows: int) -> str:
         return kernel_at(self.plan, rows)
@@ -53,13 +52,6 @@ class Products:
     def describe(self) -> str:
         """The plan in a few characters (``4:transposed,128:packed``)."""
         return ",".join(f"{rows}:{kernel}" for rows, kernel in self.plan)
-
-    def dense(self) -> tuple[tuple[int, str], ...]:
-        """The plan among the kernels over the weights themselves (no packed copy: what a
-        compiled graph can take), from the probe's timings; the plan itself without them."""
-        if not self.timings:
-            return tuple((rows, "plain" if k == "packed" else k) for rows, k in self.plan)
-        return plan_of({rows: min((k for k in t if k != "packed"), key=t.get) for rows, t in self.timings.items()})
 
 
 def kernel_at(plan: tuple[tuple[int, str], ...], rows: int) -> str:
@@ -194,7 +186,7 @@ def tuned(linears: list[nn.Linear], cache_dir: Path | None = None) -> Products:
         host_cache.write(path, key, {"timings": timings}, "the product probe")
     plan = plan_of({rows: min((k for k in t if k in kernels), key=t.get) for rows, t in timings.items()})
     keep_packed = any(kernel == "packed" for _, kernel in plan)
-    return Products(plan, packed if keep_packed else {}, timings)
+    return Products(plan, packed if keep_packed else {})
 
 
 def packed_everywhere(linears: list[nn.Linear]) -> Products:

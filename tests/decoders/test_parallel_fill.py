@@ -49,7 +49,7 @@ def test_fills_ars_skeleton_on_the_builtin_model(builtin_artifacts):
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"
     tok = load_tokenizer(str(folder))
     eos = generation_eos(str(folder), tok)
-    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27])
+    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27], backend="eager")
     pf = ParallelFill(target, tok, eos, max_value_tokens=24)
     filled = 0
     for name in ("repeated", "wrong_tools"):  # where the base model writes closed values
@@ -79,7 +79,7 @@ def test_fills_an_args_first_skeleton_in_hermes3(builtin_artifacts):
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"
     tok = load_tokenizer(str(folder))
     eos = generation_eos(str(folder), tok)
-    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27])
+    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27], backend="eager")
     ids = prompt_ids(args_first_request(), "plain", tok, fmt=HERMES3)
     ar = decode_ar(target, tok, ids, 32, eos, fmt=HERMES3)
     skeleton = response_layout(ar.text, HERMES3)

@@ -109,7 +109,7 @@ def base_target(builtin_artifacts):
     """The real built-in model (not fine-tuned): it writes JSON-like tool calls."""
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"
     tok = load_tokenizer(str(folder))
-    return load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27]), tok, generation_eos(str(folder), tok)
+    return load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27], backend="eager"), tok, generation_eos(str(folder), tok)
 
 
 def test_schemafill_config_takes_every_setting_decode_names():
@@ -126,7 +126,7 @@ def test_schemafill_config_takes_every_setting_decode_names():
 
 
 def test_random_model_every_ablation_equals_ar(tiny_target):
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     for _ in check(target, tok, eos, ["bm25", "twenty"], "ABCD", max_new=24):
@@ -142,7 +142,7 @@ def test_cost_aware_rounds_equal_ar_whatever_they_keep(tiny_target, base_target)
     from infer.pricing.budget import NodeBudget
     from infer.pricing.cost_model import CostModel
 
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     steep, flat = CostModel((1, 64), (10.0, 262.0)), CostModel((1, 64), (10.0, 10.5))
@@ -215,7 +215,7 @@ def test_hermes_format_is_lossless_and_packs_its_blocks(tiny_target, base_target
     """In the hermes format: a random model (never a block), and the built-in model, which
     writes ``<tool_call>`` blocks from the hermes prompt, so the packer's hermes bridges and
     the SIDE branches' hermes contexts are proposed, taken and refused."""
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     for _ in check(target, tok, frozenset({tok.eos_token_id}), ["bm25", "repeated"], "BD", max_new=24, fmt=HERMES):
         pass
@@ -233,7 +233,7 @@ def test_hermes3_format_is_lossless_and_follows_the_keys_to_the_name(tiny_target
     wrong first forecast the plan follows the keys MAIN writes (to a later group's tool, or
     the one catalog tool that holds them), so the packer's keys, closing and name come about
     as cheaply as with the right forecast."""
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     for _ in check(target, tok, frozenset({tok.eos_token_id}), ["bm25", "repeated"], "BD", max_new=24, fmt=HERMES3):
         pass
@@ -337,7 +337,7 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
     from infer.slots.side import Branch, SideContexts, Trunk
     from schemafill.contract.stopping import ResponseStop
 
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     head = random_head(target, seed=4)
@@ -398,7 +398,7 @@ def test_a_side_context_is_decided_only_at_its_last_node(tiny_target):
     from infer.rounds.session import MainSession
     from schemafill.contract.stopping import ResponseStop
 
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     prompt = tok("Call the tool for Oslo.", add_special_tokens=False).input_ids

@@ -20,7 +20,7 @@ from tests.conftest import compose
 @pytest.fixture(scope="module")
 def tiny_head(tiny_target, tmp_path_factory):
     """A random head for the tiny target, exported like stage `head` exports one."""
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 3], backend="eager")
     torch.manual_seed(0)
     c = HeadConfig.from_target(target.hf_config, draft_vocab_size=4096, aux_layer_ids=[1, 2, 3])
     head = Eagle3Head(c, target.model.embed_tokens, *rope_tables(target.hf_config))

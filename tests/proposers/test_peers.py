@@ -227,7 +227,7 @@ STEEP = CostModel((1, 64), (10.0, 10.0 + 63 * 4.0))  # each row costs 40 % of a 
 def test_peers_lossless_on_a_random_model(tiny_target):
     """A random model repeats itself: suffix and n-gram drafts get accepted and rejected at
     every depth; the empty recycling table drafts trees of duplicate tokens (all zeros)."""
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     grammars = SchemaGrammars(tok, target.config.vocab_size)
@@ -278,7 +278,7 @@ def test_toolspecs_lossless_in_the_hermes3_format(tiny_target, base_target):
     """hermes3 writes a call's arguments before its name: ToolSpec drafts every tool's first
     keys at step 0 and detects the tool by its keys; it equals AR on a random model and on the
     built-in model's args-first block, with selection or without."""
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     methods = {m: d for m, d in peers(target, tok, eos, 24, HERMES3).items()
@@ -305,7 +305,7 @@ def test_peers_lossless_and_fewer_calls_on_the_builtin_model(builtin_artifacts):
     folder = builtin_artifacts / "targets" / "smollm2-135m-base"
     tok = load_tokenizer(str(folder))
     eos = generation_eos(str(folder), tok)
-    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27])
+    target = load_target(folder, torch.float32, torch.device("cpu"), [2, 15, 27], backend="eager")
     methods = peers(target, tok, eos, 48)
     saved = dict.fromkeys(methods, 0)
     for name in CASES:

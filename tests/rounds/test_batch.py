@@ -40,7 +40,7 @@ def cancel_after(n: int):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_target):
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     return target, tok, frozenset({tok.eos_token_id})
 

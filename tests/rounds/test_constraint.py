@@ -49,7 +49,7 @@ def test_masks_follow_the_tree_and_leave_forbidden_nodes_open(smol_tokenizer):
 
 
 def test_every_decoder_equals_constrained_ar_and_writes_valid_calls(tiny_target):
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     grammars = SchemaGrammars(tok, target.config.vocab_size)
@@ -130,7 +130,7 @@ def test_every_decoder_equals_constrained_ar_in_every_format(fmt, tiny_target, m
     speculative decoder's tokens equal constrained AR's (closing near the cap, so responses
     end inside the grammar: EOS after a tagged block, the bracket after mistral's list)."""
     folder = marker_target if fmt is MISTRAL else tiny_target
-    target = load_target(folder, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(folder, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(folder))
     eos = frozenset({tok.eos_token_id})
     grammars = SchemaGrammars(tok, target.config.vocab_size, fmt=fmt, stop_ids=eos)
@@ -259,7 +259,7 @@ def test_constrained_ar_equals_a_plain_masked_greedy_loop_and_forced_tokens_save
     model = tiny_llama(seed=4, num_hidden_layers=4)  # this one starts a call (seed 3 writes no call)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    target = load_target(tmp_path, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tmp_path, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     eos = frozenset({tok.eos_token_id})
     grammars = SchemaGrammars(tok, target.config.vocab_size)
     req = request("bm25")

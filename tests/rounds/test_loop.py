@@ -53,7 +53,7 @@ class Recording(loop.Drafting):
 
 
 def test_the_loop_runs_each_step_in_order_and_keeps_ar_tokens(tiny_target):
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     eos = frozenset({tok.eos_token_id})
     prompt = tok("Call a tool, please.", add_special_tokens=False).input_ids
@@ -75,7 +75,7 @@ def test_the_loop_runs_each_step_in_order_and_keeps_ar_tokens(tiny_target):
 
 
 def test_ar_is_the_policy_that_proposes_nothing(tiny_target):
-    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3])
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     tok = load_tokenizer(str(tiny_target))
     prompt = tok("Hello", add_special_tokens=False).input_ids
     out = loop.decode(Runtime(target, tok, frozenset(), 10), prompt, DecodeOptions(), loop.Drafting())

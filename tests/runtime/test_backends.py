@@ -94,6 +94,9 @@ def test_auto_chooses_by_device_dtype_and_a_cached_probe(tmp_path, monkeypatch):
     generating = from_hf_model(model)  # a target that generates batches: no decode probe
     assert generating.backend.name == "eager" and not (tmp_path / "schemafill" / "backends").exists()
     target = from_hf_model(model, backend="eager")
+    if not compiled.Compiled(target, target.backend).covers(1):  # this host's one-row product is oneDNN's packed one
+        assert compiled.choose(target, target.backend).summary()["why"].endswith("no compiled graph holds")
+        return
     chosen = compiled.choose(target, target.backend)
     (entry,) = (tmp_path / "schemafill" / "backends").glob("*.json")
     saved = json.loads(entry.read_text())

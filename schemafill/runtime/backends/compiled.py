@@ -11,14 +11,16 @@ costs a layer's worth, not the model's. Attention — the KV writes, the masks, 
 parts, the CPU's query blocks — stays eager (``eager.RowsAttention.rotated``), so every call shape
 the eager backend takes runs here too.
 
-Products: a graph holds the kernels over the weights themselves, not oneDNN's packed copies
-(which cannot be graph inputs), so a call whose rows the eager probe gave the packed kernel runs
-on the eager backend instead (on most x86 hosts, verifications of more than a few rows), and the
-others take the eager probe's fastest dense kernel (``Products.dense``).
+Which calls: the decode loop's smallest, where a call's fixed overhead weighs most — the rows of
+the eager product plan's first range (one row, and few-row verifications), on that range's
+kernel, as long as it needs no packed weights (oneDNN's packed copies cannot be graph inputs).
+Bigger calls, where the products dominate, run on the eager backend. So a handful of small
+graphs serve every layer and every covered call (one row, and a few rows traced as a symbol), all
+compiled when the backend is built: no call compiles mid-decode.
 
 On a CPU without batch-invariant kernels (fp32: an AVX2-only host, say) ``auto`` takes it where
-a timed probe of the decode loop's calls it covers — a one-row step, a 16-row verification,
-after 512 positions — finds it faster than eager (``choose``; cached per host and shape).
+a timed probe of one-row steps after 512 positions finds it faster than eager (``choose``,
+cached per host and shape).
 """
 
 from __future__ import annotations
@@ -39,15 +41,12 @@ from schemafill.runtime.timing import alternating_ms
 
 MARGIN = 0.95  # compiled is chosen where its calls take at most this share of eager's time
 PROBE_CONTEXT = 512  # committed positions the probe's calls attend to
-PROBE_ROWS = (1, 16)  # an AR step and a verification
-Plan = tuple[tuple[int, str], ...]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
-    # x: [B, T, In] -> [B, T, Out], on the kernel the plan gives its rows
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    # x: [B, T, In] -> [B, T, Out]
     rows = x.shape[0] * x.shape[1]
-    y = products.on_weights(x.reshape(rows, -1), weight, bias, products.kernel_at(plan, rows))
-    return y.view(x.shape[0], x.shape[1], -1)
+    return products.on_weights(x.reshape(rows, -1), weight, bias, kernel).view(x.shape[0], x.shape[1], -1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,12 +57,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attention_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,
                  qkv_bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                 plan: Plan, heads: tuple[int, int, int], eps: float
+                 kernel: str, heads: tuple[int, int, int], eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's norm, Q/K/V product, Q/K norms and rotary: rotated q [B, Hq, T, hd], k and v [B, Hkv, T, hd]."""
     hq, hkv, hd = heads
     b, t, _ = x.shape
-    q, k, v = linear(rms_norm(x, norm, eps), qkv, qkv_bias, plan).view(b, t, -1, hd).transpose(1, 2).split(
+    q, k, v = linear(rms_norm(x, norm, eps), qkv, qkv_bias, kernel).view(b, t, -1, hd).transpose(1, 2).split(
         [hq, hkv, hkv], dim=1)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
@@ -72,30 +71,29 @@ def attention_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: to
 
 def attention_out(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,
                   norm: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-                  down_bias: torch.Tensor | None, plan: Plan, eps: float) -> torch.Tensor:
+                  down_bias: torch.Tensor | None, kernel: str, eps: float) -> torch.Tensor:
     """The rest of a layer after its attention ([B, Hq, T, hd]): output projection, residual, MLP, residual."""
     b, _, t, _ = attn.shape
-    x = x + linear(attn.transpose(1, 2).reshape(b, t, -1), o, o_bias, plan)
-    gate, up = linear(rms_norm(x, norm, eps), gate_up, gate_up_bias, plan).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, down, down_bias, plan)
+    x = x + linear(attn.transpose(1, 2).reshape(b, t, -1), o, o_bias, kernel)
+    gate, up = linear(rms_norm(x, norm, eps), gate_up, gate_up_bias, kernel).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down, down_bias, kernel)
 
 
 def between(x: torch.Tensor, attn: torch.Tensor, out_weights: tuple, in_weights: tuple, cos: torch.Tensor,
-            sin: torch.Tensor, plan: Plan, heads: tuple[int, int, int], eps: float
+            sin: torch.Tensor, kernel: str, heads: tuple[int, int, int], eps: float
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's ``attention_out`` and the next one's ``attention_in``: the residual stream and rotated q, k, v."""
-    x = attention_out(x, attn, *out_weights, plan, eps)
-    return (x, *attention_in(x, cos, sin, *in_weights, plan, heads, eps))
+    x = attention_out(x, attn, *out_weights, kernel, eps)
+    return (x, *attention_in(x, cos, sin, *in_weights, kernel, heads, eps))
 
 
 def leave(x: torch.Tensor, attn: torch.Tensor, out_weights: tuple, norm: torch.Tensor, head: torch.Tensor,
-          logits_at: torch.Tensor | None, plan: Plan, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+          logits_at: torch.Tensor, kernel: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The last layer's ``attention_out``, the final norm and the LM head (at ``logits_at`` [B, K])."""
-    x = attention_out(x, attn, *out_weights, plan, eps)
-    if logits_at is not None:
-        x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+    x = attention_out(x, attn, *out_weights, kernel, eps)
+    x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
     final = rms_norm(x, norm, eps)
-    return final, linear(final, head, None, plan)
+    return final, linear(final, head, None, kernel)
 
 
 def in_weights(layer: DecoderLayer) -> tuple:
@@ -119,9 +117,9 @@ class Compiled:
         self.target, self.eager, self.why = target.fuse(), eager, why
         c = target.config
         self.heads, self.eps = (c.num_heads, c.num_kv_heads, c.head_dim), c.rms_norm_eps
-        # the eager plan says which calls go eagerly (the packed kernel), the dense one runs the rest
-        self.eager_plan = eager.products.plan if eager.products is not None else ()
-        self.plan = eager.products.dense() if eager.products is not None else ()
+        # the calls it runs: the eager plan's first range, on its kernel (none where it is packed)
+        first = eager.products.plan[0] if eager.products is not None and eager.products.plan else (1, "plain")
+        self.rows, self.kernel = (first[0], first[1]) if first[1] != "packed" else (0, "plain")
         # a graph per row count first seen, then (a second count in the same kernel's range) rows
         # traced as a symbol: a handful of small graphs, whatever rows the loop sends
         self._in = torch.compile(attention_in)
@@ -132,23 +130,21 @@ class Compiled:
     @torch.inference_mode()
     def warm(self) -> "Compiled":
         """Compile now what the decode loop's calls need — one row, and a few rows traced as a
-        symbol, with and without ``logits_at`` — so that no call compiles mid-decode."""
-        sizes = [r for r in (1, 2, 3) if self.covers(r)]
+        symbol — so that no call compiles mid-decode."""
+        sizes = [r for r in (1, 2, 3) if self.covers(r)]  # 1 and 2 rows give a graph each, 3 makes rows a symbol
         if not sizes:
             return self
         start = time.perf_counter()
         arena = self.new_arena(1, 2 * max(sizes))
         for rows in sizes:
             tokens, positions = torch.zeros(1, rows, dtype=torch.long), torch.arange(rows)[None]
-            visible = torch.ones(1, rows, rows, dtype=torch.bool).tril()
-            for at in (None, torch.tensor([[rows - 1]])):
-                self.forward(tokens, positions, visible, positions, arena, logits_at=at)
+            self.forward(tokens, positions, torch.ones(1, rows, rows, dtype=torch.bool).tril(), positions, arena)
         self.compile_s = round(time.perf_counter() - start, 1)
         return self
 
     def covers(self, rows: int) -> bool:
-        """Whether a call of ``rows`` rows runs compiled (not on the packed kernel, which runs eagerly)."""
-        return products.kernel_at(self.eager_plan, rows) != "packed"
+        """Whether a call of ``rows`` rows runs compiled."""
+        return rows <= self.rows
 
     def new_arena(self, rows: int, capacity: int) -> KVArena:
         return self.eager.new_arena(rows, capacity)
@@ -180,19 +176,21 @@ class Compiled:
              logits_at: torch.Tensor | None) -> Forward:
         # tokens, positions: [B, T]; logits_at: [B, K]
         target, c = self.target, self.target.config
-        layers, plan, heads, eps = target.model.layers, self.plan, self.heads, self.eps
+        layers, kernel, heads, eps = target.model.layers, self.kernel, self.heads, self.eps
         x = target.model.embed_tokens(tokens)  # [B, T, H]
         cos, sin = target.rotary(positions, x.dtype)
         cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, T, hd]
         saved = {0: x} if 0 in c.aux_layer_ids else {}
-        q, k, v = self._in(x, cos, sin, *in_weights(layers[0]), plan, heads, eps)
+        q, k, v = self._in(x, cos, sin, *in_weights(layers[0]), kernel, heads, eps)
         for i, layer in enumerate(layers[:-1]):
             x, q, k, v = self._between(x, attend.rotated(i, q, k, v), out_weights(layer), in_weights(layers[i + 1]),
-                                       cos, sin, plan, heads, eps)
+                                       cos, sin, kernel, heads, eps)
             if i + 1 in c.aux_layer_ids:
                 saved[i + 1] = x
+        if logits_at is None:  # every row's: one graph whether or not a call names its rows
+            logits_at = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         final, logits = self._leave(x, attend.rotated(len(layers) - 1, q, k, v), out_weights(layers[-1]),
-                                    target.model.norm.weight, target.lm_head.weight, logits_at, plan, eps)
+                                    target.model.norm.weight, target.lm_head.weight, logits_at, kernel, eps)
         aux = torch.cat([saved[i] for i in c.aux_layer_ids], dim=-1)
         return Forward(logits=logits.float(), aux=aux, final=final)
 
@@ -200,11 +198,11 @@ class Compiled:
         return None  # a head drafts eagerly beside it
 
     def key(self) -> str:
-        return f"{self.eager.key()}|dense:{products.Products(self.plan).describe()}"
+        return f"{self.eager.key()}|compiled:{self.rows}:{self.kernel}"
 
     def summary(self) -> dict:
         return {"backend": self.name, "why": self.why, "products": self.eager.summary()["products"],
-                "graph_products": products.Products(self.plan).describe(), "fold_groups": self.eager.fold,
+                "compiled_rows": self.rows, "compiled_kernel": self.kernel, "fold_groups": self.eager.fold,
                 "compile_s": self.compile_s}
 
 
@@ -216,7 +214,7 @@ def build(target: Target, eager: Eager, why: str = "") -> Compiled:
 
 
 @torch.inference_mode()
-def probe(target: Target, backends: list, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5) -> list[float]:
+def probe(target: Target, backends: list, rows: tuple[int, ...] = (1,), repeats: int = 5) -> list[float]:
     """Milliseconds of decode calls on each backend: for each of ``rows``, a call of that many rows
     after ``PROBE_CONTEXT`` positions, summed; the backends timed in turn."""
     dev, n = target.device, max(rows)
@@ -241,15 +239,14 @@ def probe(target: Target, backends: list, rows: tuple[int, ...] = PROBE_ROWS, re
 
 
 def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
-    """Compiled where a timed probe of the decode calls it covers (of ``PROBE_ROWS``: those the
-    eager plan gives no packed kernel) beats eager by ``MARGIN``, else eager. The timings are
-    cached per host, target shape, dtype and eager plan (the first time compiles too); the choice
-    and why are the backend's ``summary``."""
+    """Compiled where a timed probe of one-row steps beats eager by ``MARGIN``, else eager. The
+    timings are cached per host, target shape, dtype and eager plan (the first time compiles
+    too); the choice and why are the backend's ``summary``."""
     c = target.config
     compiled = Compiled(target, eager)
-    rows = tuple(r for r in PROBE_ROWS if compiled.covers(r))
-    if not rows:
-        eager.why = "auto: the eager plan's packed products run every decode call (no compiled graph holds them)"
+    rows = (1,)
+    if not compiled.covers(1):
+        eager.why = "auto: one-row products on oneDNN's packed weights, which no compiled graph holds"
         return eager
     key = "|".join([f"{c.family}-L{c.num_layers}-H{c.hidden_size}-I{c.intermediate_size}-V{c.vocab_size}",
                     str(target.dtype), compiled.key(), f"rows{rows}", *host.timing_key()])

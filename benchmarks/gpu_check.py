@@ -8,7 +8,7 @@ Builds a random-init Qwen2.5-7B-shaped target in bf16 directly on the device (no
 reports: the device's copy bandwidth (read + write) and the bytes a one-token forward streams
 (every weight but the input embedding), hence the bound on a token's time; c(n), the time of a
 call of n = 1, 2, 4, …, 128 rows after 1024 and 4096 positions, eager and from the graphs
-(``schemafill.runtime.backends.cuda_graphs``, the default on CUDA) with their capture time; then AR and EAGLE-3 (a
+(the cuda_graphs backend, the default on CUDA) with their capture time; then AR and EAGLE-3 (a
 random head: acceptance ~1, so this measures drafting and verification overhead) decoding a
 few random prompts on both paths, with the host milliseconds per round outside the target
 and head calls. Prints tables and writes JSON. ``--shape tiny`` runs the same code on a CPU in
@@ -184,7 +184,7 @@ def lossless(tokenizer_dir: str, requests: str, limit: int, work: Path) -> dict:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(work / "target")
     tok.save_pretrained(work / "target")
-    target = load_target(work / "target", torch.float32, torch.device("cpu"), aux_layer_ids=[1, 2, 3])
+    target = load_target(work / "target", torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
     save_head(random_head(target, target.hf_config, 4096), work / "head")
 
     results = {}

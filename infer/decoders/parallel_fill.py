@@ -1,4 +1,5 @@
-"""Parallel Fill: the skeleton-then-fill baseline (paper §5, after Skeleton-of-Thought; docs/design.md, "Parallel Fill").
+"""Parallel Fill: the skeleton-then-fill baseline (paper §5, after Skeleton-of-Thought;
+docs/design.md, "Parallel Fill").
 
 Given AR's response as the skeleton, every argument value is generated independently by
 the target — all of a request's values in one continuously batched stream — under the

@@ -1,4 +1,5 @@
-"""Per-method metrics pooled over requests (``metrics.json``; the counters of docs/design.md, "Lossless, and what a request costs").
+"""Per-method metrics pooled over requests (``metrics.json``; the counters of docs/design.md,
+"Lossless, and what a request costs").
 
 AL is Σtokens / Σtarget calls, TPS Σtokens / Σseconds (one request at a time) or Σtokens /
 the wall time (requests decoded together, ``concurrency`` > 1), AR agreement the share of

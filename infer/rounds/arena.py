@@ -1,4 +1,5 @@
-"""The regions of one request's target KV arena (row 0; docs/design.md, "SchemaFill, step by step": KV); pure arithmetic.
+"""The regions of one request's target KV arena (row 0; docs/design.md, "SchemaFill, step by step":
+KV); pure arithmetic.
 
 * ``[0, P)`` the prompt, shared and read-only once written;
 * ``[P, P + max_new_tokens]`` the committed response, in position order (accepted rows

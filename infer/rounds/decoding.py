@@ -1,11 +1,10 @@
 """The decoder interface: what every method is given per request, and what it returns.
 
-Every decoder is an object with ``decode(request, prompt, options) -> Decoded``, built once
-per launch by its module's ``build(ctx, method)`` in ``infer/decoders``, over a ``Runtime``
-(the target and what a response is made of). Every one but Parallel Fill is lossless at
-temperature 0 (docs/design.md, "Lossless, and what a request costs"): its tokens equal AR's. Decoders that learn from earlier
-requests of a launch also have ``reset()`` (``infer.decoders.reset``).
-"""
+Every decoder is an object with ``decode(request, prompt, options) -> Decoded``, built once per
+launch by its module's ``build(ctx, method)`` in ``infer/decoders``, over a ``Runtime`` (the
+target and what a response is made of). Every one but Parallel Fill is lossless at temperature 0
+(docs/design.md, "Lossless, and what a request costs"): its tokens equal AR's. Decoders that
+learn from earlier requests of a launch also have ``reset()`` (``infer.decoders.reset``)."""
 
 from __future__ import annotations
 

@@ -6,13 +6,13 @@ not yet computed): the last correction, and after it any tokens the response gra
 forced. They go first in the next call, as a chain, and the last of them is the root of
 the MAIN tree, which is written to the scratch rows after them.
 
-One target call verifies the MAIN tree and any number of extra segments (SIDE branches):
-each extra node names the arena slots it may see, so MAIN never sees a SIDE row, a SIDE
-node sees only the prompt and its own branch, and siblings never see each other.
-Counters follow docs/design.md ("Lossless, and what a request costs"): the prefill is one target call, every verification another.
-At temperature > 0 the target's choice at each MAIN node is a draw from its distribution
-(``Sampler``), which keeps the committed tokens distributed exactly as serial sampling.
-"""
+One target call verifies the MAIN tree and any number of extra segments (SIDE branches): each
+extra node names the arena slots it may see, so MAIN never sees a SIDE row, a SIDE node sees
+only the prompt and its own branch, and siblings never see each other. Counters follow
+docs/design.md ("Lossless, and what a request costs"): the prefill is one target call, every
+verification another. At temperature > 0 the target's choice at each MAIN node is a draw from
+its distribution (``Sampler``), which keeps the committed tokens distributed exactly as serial
+sampling."""
 
 from __future__ import annotations
 

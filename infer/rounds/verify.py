@@ -1,7 +1,8 @@
-"""Tree verification as pure steps (docs/design.md, "SchemaFill, step by step": attention and KV): which arena rows each node of one
-target call sees, and the target's choice at each MAIN node. The acceptance rule — the
-longest drafted path that matches those choices, plus the target's own next token — is
-``tree.greedy_accept``; ``session.MainSession`` runs the call and moves the accepted rows.
+"""Tree verification as pure steps (docs/design.md, "SchemaFill, step by step": attention and KV):
+which arena rows each node of one target call sees, and the target's choice at each MAIN node.
+The acceptance rule — the longest drafted path that matches those choices, plus the target's own
+next token — is ``tree.greedy_accept``; ``session.MainSession`` runs the call and moves the
+accepted rows.
 
 A call carries, in order: the pending chain (committed tokens whose KV is not computed
 yet; at prefill, the prompt), the MAIN draft tree hanging off the last of them, then any

@@ -1,4 +1,5 @@
-"""Alignment of the forecast with what MAIN realized (paper §4.3; docs/design.md, "SchemaFill, step by step": align), between rounds.
+"""Alignment of the forecast with what MAIN realized (paper §4.3; docs/design.md, "SchemaFill, step
+by step": align), between rounds.
 
 Each round MAIN's parse state says which call it is in and which of that call's fields it
 has written. The plans follow: the current call's plan is rebound to the tool MAIN chose

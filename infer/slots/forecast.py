@@ -1,4 +1,5 @@
-"""Tool and slot forecast (paper §4.2; docs/design.md, "SchemaFill, step by step": forecast): where draft compute goes, never what is emitted.
+"""Tool and slot forecast (paper §4.2; docs/design.md, "SchemaFill, step by step": forecast): where
+draft compute goes, never what is emitted.
 
 BM25 (``rank_bm25``) ranks the catalog against the request: the query is every message of
 the conversation; a tool's document is its name split into words (on ``_ . -`` and

@@ -1,5 +1,6 @@
-"""The packer (paper §4.2 "Cross-call packing"; docs/design.md, "SchemaFill, step by step": each round): the text MAIN is predicted to
-write next, chaining structural bridges and prepared values across fields and calls.
+"""The packer (paper §4.2 "Cross-call packing"; docs/design.md, "SchemaFill, step by step": each
+round): the text MAIN is predicted to write next, chaining structural bridges and prepared
+values across fields and calls.
 
 Pure (standard library only). Given MAIN's committed response text and its parse state,
 the call plans (one tool per call position, from the forecast, rebound to what MAIN

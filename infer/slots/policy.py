@@ -1,5 +1,5 @@
-"""SchemaFill's policy in the round loop (paper §4; docs/design.md, "SchemaFill, step by step"): what one request proposes each
-round, and which of it is worth verifying.
+"""SchemaFill's policy in the round loop (paper §4; docs/design.md, "SchemaFill, step by step"):
+what one request proposes each round, and which of it is worth verifying.
 
 1. **Forecast** (``start``): BM25 ranks the catalog, the cycled ranking gives ``forecast_budget``
    call groups, each a ``CallPlan`` (tool, predicted keys) whose values SIDE branches prepare

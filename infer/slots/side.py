@@ -1,5 +1,6 @@
-"""SIDE branches (paper §4.3; docs/design.md, "SchemaFill, step by step": SIDE branches): the slots being prepared, their private contexts
-in the arena's SIDE rows, and what they hand to the packer.
+"""SIDE branches (paper §4.3; docs/design.md, "SchemaFill, step by step": SIDE branches): the slots
+being prepared, their private contexts in the arena's SIDE rows, and what they hand to the
+packer.
 
 A SIDE branch for slot (call j, field f of tool t) sees the prompt, an ordinal hint for
 j ≥ 2 ("Select the second request.") and the canonical text a call of t has up to f's

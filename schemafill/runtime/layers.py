@@ -21,11 +21,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
-        if x.dtype == torch.float32 == self.weight.dtype:  # one fused kernel, the same formula
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # in fp32 as transformers does, then cast back before the weight; one call from Python
-        # (on a CPU its kernel still runs the ops one by one)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D]
+    if x.dtype == torch.float32 == weight.dtype:  # one fused kernel, the same formula
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # in fp32 as transformers does, then cast back before the weight; one call from Python
+    # (on a CPU its kernel still runs the ops one by one)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def plain(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:

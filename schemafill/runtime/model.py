@@ -178,7 +178,14 @@ class Target(nn.Module):
         return self.backend
 
     def new_arena(self, rows: int, capacity: int) -> KVArena:
+        """An arena its backend's calls can read."""
         return self.runs_on().new_arena(rows, capacity)
+
+    def own_arena(self, rows: int, capacity: int) -> KVArena:
+        """A ``KVArena`` of its own shape, dtype and device (what a backend without storage of its
+        own hands out)."""
+        c = self.config
+        return KVArena(c.num_layers, rows, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visibility: torch.Tensor,

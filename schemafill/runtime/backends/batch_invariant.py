@@ -129,8 +129,7 @@ class BatchInvariant:
                                 for layer, norm in zip(layers, after)]
 
     def new_arena(self, rows: int, capacity: int) -> KVArena:
-        c, t = self.target.config, self.target
-        return KVArena(c.num_layers, rows, c.num_kv_heads, capacity, c.head_dim, t.dtype, t.device)
+        return self.target.own_arena(rows, capacity)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visibility: torch.Tensor,
                 write_slots: torch.Tensor, arena: KVArena, rows: torch.Tensor | None = None,

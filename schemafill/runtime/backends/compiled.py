@@ -5,9 +5,8 @@ What an eager forward spends beside its matrix products and attention is the sma
 them — norms, rotary, SiLU·mul, residual adds — each a kernel launch and microseconds of Python.
 Here the work between two attentions is one compiled function (``between``): a layer's output
 projection, residual add, norm, MLP and residual add, then the next layer's norm, Q/K/V product,
-Q/K norms and rotary. Its weights are arguments, so one compiled graph serves every layer
-(a graph per product kernel's row range; past one row, sizes traced as symbols): compiling
-costs a layer's worth, not the model's. Attention — the KV writes, the masks, a packed call's
+Q/K norms and rotary. Its weights are arguments, so one compiled graph serves every layer:
+compiling costs a layer's worth, not the model's. Attention — the KV writes, the masks, a packed call's
 parts, the CPU's query blocks — stays eager (``eager.RowsAttention.rotated``), so every call shape
 the eager backend takes runs here too.
 
@@ -34,7 +33,7 @@ from torch import nn
 from schemafill.runtime import host, host_cache, products
 from schemafill.runtime.backends.eager import Eager, PartsAttention, RowsAttention, reach
 from schemafill.runtime.calls import Forward, Part
-from schemafill.runtime.layers import mask_bias, query_blocks, signed_sin
+from schemafill.runtime.layers import mask_bias, query_blocks, rms_norm, signed_sin
 from schemafill.runtime.model import DecoderLayer, Target
 from schemafill.runtime.storage import KVArena
 from schemafill.runtime.timing import alternating_ms
@@ -47,12 +46,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
     # x: [B, T, In] -> [B, T, Out]
     rows = x.shape[0] * x.shape[1]
     return products.on_weights(x.reshape(rows, -1), weight, bias, kernel).view(x.shape[0], x.shape[1], -1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32 == weight.dtype:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def attention_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,

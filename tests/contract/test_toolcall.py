@@ -118,3 +118,15 @@ def test_write_then_read_is_lossless(tmp_path):
     write_requests(tmp_path / "out.jsonl", [req, req])
     back, log = read_requests(tmp_path / "out.jsonl")
     assert back == [req, req] and len(log) == 0
+
+
+def test_json_lines_name_a_bad_line_in_a_log_or_in_the_error(tmp_path):
+    from schemafill.contract.records import RejectLog, json_lines
+
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n{broken\n\xff\xfe\n[2]\n')
+    log = RejectLog()
+    assert list(json_lines(path, log)) == [(1, {"a": 1}), (5, [2])]
+    assert [(r.line, r.reason.split(":")[0]) for r in log.items] == [(3, "not JSON"), (4, "not UTF-8")]
+    with pytest.raises(ValueError, match="x.jsonl:3"):
+        list(json_lines(path))

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from schemafill.runtime import host, host_cache, products
-from schemafill.runtime.backends.eager import Eager, PartsAttention, RowsAttention, reach
+from schemafill.runtime.backends.eager import Eager, PartsAttention, RowsAttention
 from schemafill.runtime.calls import Forward, Part
-from schemafill.runtime.layers import mask_bias, query_blocks, rms_norm, signed_sin
+from schemafill.runtime.layers import rms_norm, signed_sin
 from schemafill.runtime.model import DecoderLayer, Target
 from schemafill.runtime.storage import KVArena
 from schemafill.runtime.timing import alternating_ms
@@ -145,24 +145,16 @@ class Compiled:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visibility: torch.Tensor,
                 write_slots: torch.Tensor, arena: KVArena, rows: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, spans: list[tuple[int, int]] | None = None) -> Forward:
-        e = self.eager
         if not self.covers(tokens.numel()):
-            return e.forward(tokens, positions, visibility, write_slots, arena, rows, logits_at, spans)
-        blocks = query_blocks(reach(visibility), e.block_overhead) \
-            if spans is None and visibility.device.type == "cpu" else None
-        bias = mask_bias(visibility, self.target.dtype)
-        return self._run(tokens, positions, RowsAttention(arena, rows, write_slots, bias, spans, blocks, e.fold),
+            return self.eager.forward(tokens, positions, visibility, write_slots, arena, rows, logits_at, spans)
+        return self._run(tokens, positions, self.eager.rows_attention(visibility, write_slots, arena, rows, spans),
                          logits_at)
 
     def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
                logits_at: torch.Tensor | None = None) -> Forward:
-        e = self.eager
         if not self.covers(tokens.numel()):
-            return e.packed(tokens, positions, parts, logits_at)
-        cpu = tokens.device.type == "cpu"
-        blocks = [query_blocks(reach(p.visibility[None]), e.block_overhead) if cpu else None for p in parts]
-        biases = [mask_bias(p.visibility[None], self.target.dtype) for p in parts]
-        return self._run(tokens[None], positions[None], PartsAttention(parts, blocks, biases, e.fold),
+            return self.eager.packed(tokens, positions, parts, logits_at)
+        return self._run(tokens[None], positions[None], self.eager.parts_attention(parts),
                          None if logits_at is None else logits_at[None])
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: RowsAttention | PartsAttention,

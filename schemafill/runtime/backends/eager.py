@@ -118,19 +118,28 @@ class Eager:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visibility: torch.Tensor,
                 write_slots: torch.Tensor, arena: KVArena, rows: torch.Tensor | None = None,
                 logits_at: torch.Tensor | None = None, spans: list[tuple[int, int]] | None = None) -> Forward:
-        blocks = query_blocks(reach(visibility), self.block_overhead) \
-            if spans is None and visibility.device.type == "cpu" else None
-        bias = mask_bias(visibility, self.target.dtype)  # once, not in every layer's attention
-        return self.target.run(tokens, positions, RowsAttention(arena, rows, write_slots, bias, spans, blocks, self.fold),
+        return self.target.run(tokens, positions, self.rows_attention(visibility, write_slots, arena, rows, spans),
                                logits_at, self.product)
 
     def packed(self, tokens: torch.Tensor, positions: torch.Tensor, parts: list[Part],
                logits_at: torch.Tensor | None = None) -> Forward:
-        cpu = tokens.device.type == "cpu"
+        return self.target.run(tokens[None], positions[None], self.parts_attention(parts),
+                               None if logits_at is None else logits_at[None], self.product)
+
+    def rows_attention(self, visibility: torch.Tensor, write_slots: torch.Tensor, arena: KVArena,
+                       rows: torch.Tensor | None, spans: list[tuple[int, int]] | None) -> RowsAttention:
+        """A batch-rows call's attention (``Target.forward``'s arguments)."""
+        blocks = query_blocks(reach(visibility), self.block_overhead) \
+            if spans is None and visibility.device.type == "cpu" else None
+        bias = mask_bias(visibility, self.target.dtype)  # once, not in every layer's attention
+        return RowsAttention(arena, rows, write_slots, bias, spans, blocks, self.fold)
+
+    def parts_attention(self, parts: list[Part]) -> PartsAttention:
+        """A packed call's attention, each part over its own arena."""
+        cpu = parts[0].slots.device.type == "cpu"
         blocks = [query_blocks(reach(p.visibility[None]), self.block_overhead) if cpu else None for p in parts]
         biases = [mask_bias(p.visibility[None], self.target.dtype) for p in parts]
-        return self.target.run(tokens[None], positions[None], PartsAttention(parts, blocks, biases, self.fold),
-                               None if logits_at is None else logits_at[None], self.product)
+        return PartsAttention(parts, blocks, biases, self.fold)
 
     def draft_steps(self, head: nn.Module) -> None:
         return None  # a head drafts eagerly beside it

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from schemafill.runtime.calls import Attend, Backend, Forward, Part, Product
-from schemafill.runtime.layers import MLP, RMSNorm, Rotary, fused_linear, plain, signed_sin
+from schemafill.runtime.layers import MLP, RMSNorm, Rotary, fused_linear, plain, rms_norm, signed_sin
 from schemafill.runtime.storage import KVArena
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -99,14 +99,10 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def heads(self, qkv: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The fused product's output [B, T, (Hq + 2·Hkv)·hd] as q [B, Hq, T, hd], k and v [B, Hkv, T, hd],
-        after the Q/K norms where the family has them."""
+        """``split_heads`` of the fused product, with this layer's Q/K norms."""
         c = self.c
-        heads = qkv.view(b, t, -1, c.head_dim).transpose(1, 2)
-        q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
-        if c.qk_norm:  # over each head's dimensions
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        norms = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
+        return split_heads(qkv, b, t, (c.num_heads, c.num_kv_heads, c.head_dim), *norms, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attend: Attend,
                 product: Product = plain) -> torch.Tensor:
@@ -121,6 +117,17 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
         out = attend(layer, q, k, v, cos, sin)  # [B, Hq, T, hd]
         return product(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
+
+
+def split_heads(qkv: torch.Tensor, b: int, t: int, heads: tuple[int, int, int], q_norm: torch.Tensor | None,
+                k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused Q/K/V product's output [B, T, (Hq + 2·Hkv)·hd] as q [B, Hq, T, hd], k and v
+    [B, Hkv, T, hd]; q and k normed over each head's dimensions where the family has Q/K norms."""
+    hq, hkv, hd = heads
+    q, k, v = qkv.view(b, t, -1, hd).transpose(1, 2).split([hq, hkv, hkv], dim=1)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    return q, k, v
 
 
 class DecoderLayer(nn.Module):

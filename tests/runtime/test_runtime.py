@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from schemafill.runtime import products
-from schemafill.runtime.backends import eager
 from schemafill.runtime.backends.eager import reach
 from schemafill.runtime.layers import apply_rotary, apply_rotary_rolled, attend, query_blocks, signed_sin
 from schemafill.runtime.loading import from_hf_model, load_target
@@ -363,12 +362,10 @@ def test_one_token_attention_folds_grouped_heads_into_rows(dtype):
 
 
 def test_a_target_tuned_to_fold_decodes_as_transformers():
-    """``tune_attention`` times one decoding step both ways and the eager backend keeps its
-    choice; both choices decode token by token (one-token queries, where folding applies) to
-    ``transformers``' logits."""
+    """Both of ``tune_attention``'s choices decode token by token (one-token queries, where
+    folding applies) to ``transformers``' logits."""
     model = hf_model("llama", seed=3)
     target = from_hf_model(model, backend="eager")
-    assert eager.tune_attention(target.backend) in (True, False)
     ids = torch.randint(0, VOCAB, (1, 7))
     expected = model(ids).logits[0]
     for fold in (False, True):

@@ -33,8 +33,8 @@ from torch import nn
 from schemafill.runtime import host, host_cache, products
 from schemafill.runtime.backends.eager import Eager, PartsAttention, RowsAttention
 from schemafill.runtime.calls import Forward, Part
-from schemafill.runtime.layers import rms_norm, signed_sin
-from schemafill.runtime.model import DecoderLayer, Target
+from schemafill.runtime.layers import apply_rotary_rolled, rms_norm, signed_sin
+from schemafill.runtime.model import DecoderLayer, Target, split_heads
 from schemafill.runtime.storage import KVArena
 from schemafill.runtime.timing import alternating_ms
 
@@ -53,13 +53,9 @@ def attention_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: to
                  kernel: str, heads: tuple[int, int, int], eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's norm, Q/K/V product, Q/K norms and rotary: rotated q [B, Hq, T, hd], k and v [B, Hkv, T, hd]."""
-    hq, hkv, hd = heads
     b, t, _ = x.shape
-    q, k, v = linear(rms_norm(x, norm, eps), qkv, qkv_bias, kernel).view(b, t, -1, hd).transpose(1, 2).split(
-        [hq, hkv, hkv], dim=1)
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    return q * cos + q.roll(hd // 2, dims=-1) * sin, k * cos + k.roll(hd // 2, dims=-1) * sin, v
+    q, k, v = split_heads(linear(rms_norm(x, norm, eps), qkv, qkv_bias, kernel), b, t, heads, q_norm, k_norm, eps)
+    return apply_rotary_rolled(q, cos, sin), apply_rotary_rolled(k, cos, sin), v
 
 
 def attention_out(x: torch.Tensor, attn: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,

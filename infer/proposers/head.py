@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Generator, Protocol, TypeVar
 
 import torch
 
@@ -45,7 +45,7 @@ from infer.rounds.session import MainSession
 from infer.rounds.tree import ROOT
 from schemafill.config import DecodeConfig
 from schemafill.runtime.calls import causal_visibility
-from schemafill.runtime.drafter import Eagle3Head, load_head
+from schemafill.runtime.drafter import DraftPart, Eagle3Head, load_head
 from schemafill.runtime.model import Target, rope_tables
 
 
@@ -85,6 +85,86 @@ SCHEMAFILL_BUDGET = TreeBudget(topk=3, depth=2, total=8)  # the paper's: 8 draft
 EAGLE_DEFAULTS = TreeBudget(topk=10, depth=5, total=60)  # EAGLE's published defaults
 
 
+T = TypeVar("T")
+Steps = Generator["HeadStep", "HeadResult", T]  # drafting that yields its head forwards and returns T
+
+
+@dataclass
+class HeadResult:
+    out: torch.Tensor  # [T, H] the step's output hidden states
+    logits: torch.Tensor | None  # [len(logits_at), Vd] draft logits of the rows asked for
+    ms: float  # this request's share of the forward
+
+
+@dataclass
+class HeadStep:
+    """One head forward a request's drafting asks for (``rounds/loop.Step``): its rows
+    (``part``; with ``fuse``, ``part.hidden`` holds target features [T, 3H_target] that the
+    head's ``fc`` fuses first) and the rows whose draft logits it needs. The steps of every
+    request in a round run as one forward: on a CPU or a GPU a head forward of a few rows
+    costs what one of many rows does, so a batch drafts for the price of one request."""
+
+    head: Eagle3Head
+    part: DraftPart
+    logits_at: list[int]
+    fuse: bool = False
+
+    @property
+    def key(self) -> int:
+        return id(self.head)
+
+    @staticmethod
+    @torch.inference_mode()
+    def run_together(steps: list["HeadStep"]) -> list[HeadResult]:
+        """One forward of the head for ``steps`` (all of the same head), each request charged
+        an equal share of its time."""
+        started = time.perf_counter()
+        head = steps[0].head
+        dtype = head.fc.weight.dtype
+        fused = [st for st in steps if st.fuse]
+        if fused:
+            hidden = head.fc(torch.cat([st.part.hidden for st in fused]).to(dtype))  # [ΣT, H]
+            sizes = [len(st.part.hidden) for st in fused]
+            for st, h in zip(fused, hidden.split(sizes)):
+                st.part = replace(st.part, hidden=h)
+                st.fuse = False
+        outs = head.decode_packed([st.part for st in steps])
+        rows = [out[st.logits_at] for st, out in zip(steps, outs) if st.logits_at]
+        logits = iter(head.logits(torch.cat(rows)).split([len(r) for r in rows]) if len(rows) > 1
+                      else [head.logits(r) for r in rows])
+        ms = 1e3 * (time.perf_counter() - started) / len(steps)
+        return [HeadResult(out, next(logits) if st.logits_at else None, ms) for st, out in zip(steps, outs)]
+
+
+def alone(steps: Steps[T]) -> T:
+    """Run a request's drafting with its head forwards alone (outside a batch)."""
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(HeadStep.run_together([step])[0])
+    except StopIteration as done:
+        return done.value
+
+
+class Clock:
+    """A request's own drafting milliseconds when its head forwards run with other requests':
+    its own work between steps, plus its share of each forward."""
+
+    def __init__(self) -> None:
+        self.spent, self.since = 0.0, time.perf_counter()
+
+    def ms(self) -> float:
+        return self.spent + 1e3 * (time.perf_counter() - self.since)
+
+    def wait(self, step: HeadStep) -> Steps[HeadResult]:
+        """Yield ``step``; its result, with the time in between counted as its share."""
+        self.spent += 1e3 * (time.perf_counter() - self.since)
+        res = yield step
+        self.spent += res.ms
+        self.since = time.perf_counter()
+        return res
+
+
 @dataclass
 class HeadTimes:
     """What a launch has measured of its head's drafting on this host, shared by its requests'
@@ -119,48 +199,49 @@ class HeadDrafter:
         self.done, self.skipped, self.waiting = 0, 0, []
         self.forwards, self.ms = 0, 0.0
 
-    @torch.inference_mode()
-    def entries(self, tokens: list[int], aux: list[torch.Tensor], positions: list[int], slots: list[int],
-                visible: list[list[int]], want: list[int]) -> list[int]:
+    # ---- drafting as steps: each head forward is yielded (``HeadStep``) so that a batch's
+    # requests run theirs together (``HeadRunner``); the plain methods run them alone
+    def entry_steps(self, tokens: list[int], aux: list[torch.Tensor], positions: list[int], slots: list[int],
+                    visible: list[list[int]], want: list[int]) -> Steps[list[int]]:
         """Head KV for contexts other than MAIN's (SIDE branches), in one forward: entry i is
         the training pair (``tokens[i]``, fc(``aux[i]``)) at ``positions[i]``, written to head
-        slot ``slots[i]`` and seeing the head slots ``visible[i]``. Returns the output hidden
-        states [len(want), H] of the entries listed in ``want`` (``top1`` turns them into drafts)."""
-        head, dev = self.head, self.device
-        started = time.perf_counter()
+        slot ``slots[i]`` and seeing the head slots ``visible[i]``. Returns the head's most
+        probable next token (a target id) after each entry listed in ``want``."""
+        dev, clock = self.device, Clock()
         span = max(max(v) for v in visible) + 1
-        vis = torch.zeros(1, len(tokens), span, dtype=torch.bool, device=dev)  # [1, N, S]
+        vis = torch.zeros(len(tokens), span, dtype=torch.bool, device=dev)  # [N, S]
         for i, v in enumerate(visible):
-            vis[0, i, v] = True
-        hidden = head.fc(torch.stack(aux).to(head.fc.weight.dtype))[None]  # [1, N, H]
-        out = head.decode_step(torch.tensor(tokens, device=dev)[None], hidden, torch.tensor(positions, device=dev)[None],
-                               vis, torch.tensor(slots, device=dev)[None], self.arena)  # [1, N, H]
-        self._count(1, started)
-        return out[0, want]
-
-    @torch.inference_mode()
-    def top1(self, outs: torch.Tensor) -> list[int]:
-        """[N, H] head outputs -> the most probable next token (a target id) after each."""
-        started = time.perf_counter()
-        drafts = [self.draft_to_target[d] for d in self.head.logits(outs).argmax(-1).tolist()]
-        self._count(0, started)
+            vis[i, v] = True
+        res = yield from clock.wait(HeadStep(self.head, DraftPart(
+            self.arena, torch.tensor(tokens, device=dev), torch.stack(aux), torch.tensor(positions, device=dev), vis,
+            torch.tensor(slots, device=dev)), logits_at=want, fuse=True))
+        drafts = [self.draft_to_target[d] for d in res.logits.argmax(-1).tolist()]
+        self._count(1, clock.ms())
         return drafts
 
-    def _count(self, forwards: int, started: float) -> None:
-        self.forwards += forwards
-        self.ms += 1e3 * (time.perf_counter() - started)
+    def entries_top1(self, *entries: Any) -> list[int]:
+        """``entry_steps`` alone."""
+        return alone(self.entry_steps(*entries))
 
-    # ---- as a round loop's proposer (``spec/loop.Proposer``): the tree after MAIN's committed text
+    # ---- as a round loop's proposer (``rounds/loop.Proposer``): the tree after MAIN's committed text
     def start(self, s: MainSession) -> None:
         self.begin(s.layout.positions)
 
     def propose(self, s: MainSession) -> Candidates:
-        return self.candidates(s.tokens, s.new_aux)
+        return alone(self.propose_steps(s))
+
+    def propose_steps(self, s: MainSession) -> Steps[Candidates]:
+        return (yield from self.candidate_steps(s.tokens, s.new_aux))
 
     def finish(self, s: MainSession) -> dict:
         return {"head_forwards": self.forwards, "head_ms": round(self.ms, 3)}
 
     def candidates(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None) -> Candidates:
+        """``candidate_steps`` alone."""
+        return alone(self.candidate_steps(tokens, new_aux, depth))
+
+    def candidate_steps(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None
+                        ) -> Steps[Candidates]:
         """The draft tree, each node tagged with the bucket of the head's own probability for it
         (given its parent): what cost-aware selection reads as its acceptance estimate."""
         price, times = self.price, self.times
@@ -174,42 +255,46 @@ class HeadDrafter:
             new_aux = torch.cat([*self.waiting, new_aux])
         self.skipped, self.waiting = 0, []
         before = self.ms
-        tree, parents, q = self.scored(tokens, new_aux, depth)
+        tree, parents, q = yield from self.scored_steps(tokens, new_aux, depth)
         ms = self.ms - before
         times.round_ms = ms if not times.round_ms else (1 - LEVEL_EMA) * times.round_ms + LEVEL_EMA * ms
         self.drafted = True
         return Candidates(tree, parents, [head_source(x) for x in q])
 
-    @torch.inference_mode()
     def scored(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None
                ) -> tuple[list[int], list[int], list[float]]:
+        """``scored_steps`` alone."""
+        return alone(self.scored_steps(tokens, new_aux, depth))
+
+    def scored_steps(self, tokens: list[int], new_aux: torch.Tensor, depth: int | None = None
+                     ) -> Steps[tuple[list[int], list[int], list[float]]]:
         """tokens: prompt + committed (the last ones pending: their target features do not
         exist yet); new_aux: [M, 3H] target features of the M newest positions that have them
         (those the head has not seen). The tree hangs off the last pending token, ``depth``
         levels deep (default: the budget's; each level past the first is a head forward),
         fewer when the drafter's price says a level is not worth its time (module docstring).
         Returns the tree and the head's probability of each node given its parent."""
-        head, dev, b, price, times = self.head, self.device, self.budget, self.price, self.times
-        drafting = time.perf_counter()
+        dev, b, price, times, clock = self.device, self.budget, self.price, self.times, Clock()
         h, m = self.done, new_aux.shape[0]
         n = h + m  # positions with target features; the first pending token sits at position n
         if not n < len(tokens):
             raise ValueError(f"features for {n} positions but only {len(tokens) - 1} committed tokens")
-        pos = torch.arange(h, n, device=dev)[None]  # [1, M]
-        visible = causal_visibility(pos, n)  # [1, M, n]
-        hidden = head.fc(new_aux.to(head.fc.weight.dtype))[None]  # [1, M, H]
-        out = head.decode_step(torch.tensor(tokens[h + 1:n + 1], device=dev)[None], hidden, pos, visible, pos,
-                               self.arena)
+        pos = torch.arange(h, n, device=dev)  # [M]
+        forced = len(tokens) - 1 - n  # pending tokens the grammar forced: they have no target features
+        res = yield from clock.wait(HeadStep(self.head, DraftPart(
+            self.arena, torch.tensor(tokens[h + 1:n + 1], device=dev), new_aux, pos, causal_visibility(pos[None], n)[0],
+            pos), logits_at=[] if forced else [m - 1], fuse=True))
         self.done = n
         forwards = 1  # the catch-up, then one per forced token and per level
-        root_out = out[0, -1]  # [H]
-        # pending tokens the grammar forced have no target features: the head reads them the
-        # way it reads its own drafts (its previous output as the feature), in scratch slots
-        # the next catch-up overwrites
+        root_out = res.out[-1]  # [H]
+        # forced tokens: the head reads them the way it reads its own drafts (its previous
+        # output as the feature), in scratch slots the next catch-up overwrites
         for q in range(n, len(tokens) - 1):
-            step = torch.tensor([[q]], device=dev)
-            root_out = head.decode_step(torch.tensor([[tokens[q + 1]]], device=dev), root_out[None, None], step,
-                                        causal_visibility(step, q + 1), step, self.arena)[0, -1]
+            step = torch.tensor([q], device=dev)
+            res = yield from clock.wait(HeadStep(self.head, DraftPart(
+                self.arena, torch.tensor([tokens[q + 1]], device=dev), root_out[None], step,
+                causal_visibility(step[None], q + 1)[0], step), logits_at=[] if q < len(tokens) - 2 else [0]))
+            root_out = res.out[-1]
             forwards += 1
         n = len(tokens) - 1  # the tree's root: the last pending token
 
@@ -219,8 +304,8 @@ class HeadDrafter:
         fed_slot: dict[int, int] = {}
         out_of: dict[int, torch.Tensor] = {}  # node -> its output hidden once fed
 
-        def expand(parents_: list[int], outs: torch.Tensor, base: list[float]) -> list[int]:
-            logp = torch.log_softmax(head.logits(outs).float(), dim=-1)  # [F, Vd]
+        def expand(parents_: list[int], logits: torch.Tensor, base: list[float]) -> list[int]:
+            logp = torch.log_softmax(logits.float(), dim=-1)  # [F, Vd]
             top = logp.topk(min(b.topk, logp.shape[-1]), dim=-1)
             new = []
             for f, p in enumerate(parents_):
@@ -233,36 +318,37 @@ class HeadDrafter:
                         chance.append(price.draft_rate(math.exp(lp)) * (1.0 if p == ROOT else chance[p]))
             return new
 
-        frontier = expand([ROOT], root_out[None], [0.0])
+        frontier = expand([ROOT], res.logits, [0.0])
         slot = n + 1
         for d in range(1, b.depth if depth is None else min(depth, b.depth)):
             f_nodes = sorted(frontier, key=lambda i: (-score[i], i))[: b.topk]
             if price is not None and times.level_ms and not price.level_worth(sum(chance[i] for i in f_nodes),
                                                                               times.level_ms):
                 break
-            started = time.perf_counter()
+            started = clock.ms()
             span = slot + len(f_nodes)
-            visible = torch.zeros(1, len(f_nodes), span, dtype=torch.bool, device=dev)
-            visible[..., :n] = True
+            visible = torch.zeros(len(f_nodes), span, dtype=torch.bool, device=dev)  # [F, S]
+            visible[:, :n] = True
             for j, i in enumerate(f_nodes):
                 fed_slot[i] = slot + j
                 a = i
                 while a != ROOT:
-                    visible[0, j, fed_slot[a]] = True
+                    visible[j, fed_slot[a]] = True
                     a = parent[a]
-            ins = torch.stack([root_out if parent[i] == ROOT else out_of[parent[i]] for i in f_nodes])[None]
-            outs = head.decode_step(torch.tensor([tok[i] for i in f_nodes], device=dev)[None], ins,
-                                    torch.full((1, len(f_nodes)), n - 1 + d, device=dev), visible,
-                                    torch.arange(slot, span, device=dev)[None], self.arena)[0]  # [F, H]
+            ins = torch.stack([root_out if parent[i] == ROOT else out_of[parent[i]] for i in f_nodes])  # [F, H]
+            res = yield from clock.wait(HeadStep(self.head, DraftPart(
+                self.arena, torch.tensor([tok[i] for i in f_nodes], device=dev), ins,
+                torch.full((len(f_nodes),), n - 1 + d, device=dev), visible, torch.arange(slot, span, device=dev)),
+                logits_at=list(range(len(f_nodes)))))
             for j, i in enumerate(f_nodes):
-                out_of[i] = outs[j]
+                out_of[i] = res.out[j]
             slot = span
             forwards += 1
-            frontier = expand(f_nodes, outs, [score[i] for i in f_nodes])
-            ms = 1e3 * (time.perf_counter() - started)
+            frontier = expand(f_nodes, res.logits, [score[i] for i in f_nodes])
+            ms = clock.ms() - started
             times.level_ms = ms if not times.level_ms else (1 - LEVEL_EMA) * times.level_ms + LEVEL_EMA * ms
 
-        self._count(forwards, drafting)
+        self._count(forwards, clock.ms())
         chosen: set[int] = set()
         for i in sorted(range(len(tok)), key=lambda i: (-score[i], i)):
             if len(chosen) == b.total:
@@ -273,6 +359,10 @@ class HeadDrafter:
         index = {i: j for j, i in enumerate(keep)}
         q = [math.exp(score[i] - (0.0 if parent[i] == ROOT else score[parent[i]])) for i in keep]
         return [tok[i] for i in keep], [ROOT if parent[i] == ROOT else index[parent[i]] for i in keep], q
+
+    def _count(self, forwards: int, ms: float) -> None:
+        self.forwards += forwards
+        self.ms += ms
 
 
 def load_runtime_head(folder: str | Path, target: Target) -> Eagle3Head:

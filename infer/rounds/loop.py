@@ -4,7 +4,9 @@ for one request or a batch of them.
 A method is a declaration of its proposers and its policy: a ``Drafting`` per request says
 what goes with the prompt's prefill (``first``), what each round proposes (``draft``),
 which of it is worth verifying (``select``), and what it learns from each verification
-(``observe``, then ``settle``). The loop owns the order of those steps, the one target call
+(``observe``, then ``settle``). A drafter with a model of its own (the EAGLE-3 head)
+yields each of its forwards as a ``Step`` (``Drafting.drafting``), and a batch runs every
+request's steps of one kind as one forward. The loop owns the order of those steps, the one target call
 per round (``MainSession.verify``, which commits through ``commit.commit``), the host time
 between target calls that selection prices, and the phases of the paper's Table 5. A
 method never writes a loop of its own: AR is the ``Drafting`` that proposes nothing.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Generator, Hashable, Iterable, Iterator, Protocol
 
 from infer.rounds.call import Call, Output, Segment
 from infer.rounds.candidates import Candidates
@@ -78,6 +80,12 @@ class Drafting:
         """This round's candidates."""
         return Proposal()
 
+    def drafting(self, s: MainSession) -> Generator[Step, Any, Proposal]:
+        """``draft``, yielding the forwards of a drafter model it takes (``Step``) so that a
+        batch runs every request's at once; by default ``draft`` in one go."""
+        yield from ()
+        return self.draft(s)
+
     def select(self, s: MainSession, p: Proposal, share: Share = ALONE) -> Proposal:
         """The candidates worth their cost (all of them without ``pricing``), as rows of a call
         that also carries ``share`` (the rest of the batch)."""
@@ -97,6 +105,18 @@ class Drafting:
     def finish(self, s: MainSession) -> dict[str, Any]:
         """The response is complete; extra ``Decoded`` fields (e.g. the head's forwards)."""
         return {}
+
+
+class Step(Protocol):
+    """A forward of a drafter model that one request's drafting asks for mid-round. A batch
+    runs the steps of equal ``key`` (the same model) as one forward: ``run_together`` returns
+    each step's result, in order."""
+
+    @property
+    def key(self) -> Hashable: ...
+
+    @staticmethod
+    def run_together(steps: list[Any]) -> list[Any]: ...
 
 
 class Proposer(Protocol):
@@ -122,8 +142,9 @@ class Proposing(Drafting):
     def start(self, s: MainSession, phases: Phases) -> None:
         self.proposer.start(s)
 
-    def draft(self, s: MainSession) -> Proposal:
-        cand = self.proposer.propose(s)
+    def drafting(self, s: MainSession) -> Generator[Step, Any, Proposal]:
+        stepped = getattr(self.proposer, "propose_steps", None)  # a drafter model's forwards, as steps
+        cand = (yield from stepped(s)) if stepped is not None else self.proposer.propose(s)
         return Proposal(cand, head_drafted=self.proposer.drafted)
 
     def finish(self, s: MainSession) -> dict[str, Any]:
@@ -150,6 +171,7 @@ class Stream:
             drafting.start(self.s, self.phases)
         self.prefilled = False
         self.proposal = Proposal()
+        self.drafted = Proposal()  # this round's draft, before selection
         self.init_nodes = 0
         self.rows = 1  # priced rows of its latest call (what it will likely add to the next one)
         self.tokens = 1.0  # committed tokens per round, running mean
@@ -164,10 +186,14 @@ class Stream:
         """Prompt tokens whose KV is still to compute (0 once prefilled)."""
         return 0 if self.prefilled else len(self.s.prompt) - self.s.n_kv
 
+    def draft_steps(self) -> Generator[Step, Any, None]:
+        """This round's draft (``drafted``), its drafter's forwards yielded as steps."""
+        self.drafted = yield from self.drafting.drafting(self.s)
+
     def next_call(self, share: Share = ALONE, prefill_tokens: int | None = None) -> Call | None:
         """This round's call: a piece of the prompt (when more than ``prefill_tokens`` of it are
         left; None when none may go this round), the prefill with the method's first proposal,
-        or the round's selected draft."""
+        or the selected part of the round's draft (``drafted``)."""
         s, d = self.s, self.drafting
         if not self.prefilled:
             if prefill_tokens is not None and self.prompt_left > prefill_tokens:
@@ -177,7 +203,7 @@ class Stream:
             call = s.prefill_call(p.cand.tokens, p.cand.parents, p.extra)
         else:
             with self.phases("drafting"):
-                self.proposal = p = d.select(s, d.draft(s), share)
+                self.proposal = p = d.select(s, self.drafted, share)
             call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
         self.rows = call.priced_rows
         return call
@@ -220,6 +246,7 @@ class Batch:
 
     def step(self) -> list[Stream]:
         """One round for every request; returns those that ended in it (done, or with ``error``)."""
+        self._draft([st for st in self.streams if not st.done and st.prefilled])
         streams = [st for st in self.streams if not st.done]
         budget = self.prefill_tokens if any(st.prefilled for st in streams) else None
         calls: list[tuple[Stream, Call]] = []
@@ -252,6 +279,42 @@ class Batch:
         ended = [st for st in self.streams if st.done]
         self.streams = [st for st in self.streams if not st.done]
         return ended
+
+    @staticmethod
+    def _draft(streams: list[Stream]) -> None:
+        """Every decoding request's draft for this round, their drafters' forwards run
+        together: one forward per drafter model and step for the whole batch (``Step``), each
+        request charged its share."""
+        asking: list[tuple[Stream, Generator[Step, Any, None], Step]] = []
+
+        def advance(st: Stream, steps: Generator[Step, Any, None], result: Any) -> None:
+            try:
+                with st.phases("drafting"):
+                    asking.append((st, steps, steps.send(result)))
+            except StopIteration:
+                pass
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                st.error = e
+
+        for st in streams:
+            advance(st, st.draft_steps(), None)
+        while asking:
+            groups: dict[Hashable, list[tuple[Stream, Generator[Step, Any, None], Step]]] = {}
+            for item in asking:
+                groups.setdefault(item[2].key, []).append(item)
+            asking.clear()
+            for group in groups.values():
+                start = time.perf_counter()
+                try:
+                    results = group[0][2].run_together([step for _, _, step in group])
+                except Exception as e:  # noqa: BLE001 - the drafter's forward failed: each request it served
+                    for st, _, _ in group:
+                        st.error = e
+                    continue
+                share = (time.perf_counter() - start) / len(group)
+                for (st, steps, _), result in zip(group, results):
+                    st.phases.charge("drafting", share)
+                    advance(st, steps, result)
 
     @staticmethod
     def _share(me: Stream, streams: list[Stream], calls: list[tuple[Stream, Call]]) -> Share:

@@ -57,7 +57,7 @@ Decisions where the paper is silent:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Generator
 
 from infer.pricing.acceptance import PRIOR_STRENGTH
 from infer.pricing.budget import NodeBudget
@@ -204,7 +204,7 @@ class SlotDrafting(Drafting):
         self.ledger.rows += sum(len(seg.tokens) for seg in extra)  # SIDE rows too: what SIDE branches cost
         return Proposal(Candidates.tree(*tree, "init"), extra, owners)
 
-    def draft(self, s: MainSession) -> Proposal:
+    def drafting(self, s: MainSession) -> Generator[Any, Any, Proposal]:
         side, plans = self.side, self.plans
         with self.timed("other"):  # align the plans and branches with what MAIN realized
             text, state = s.stop.parsed_text, s.stop.parser.state
@@ -219,10 +219,10 @@ class SlotDrafting(Drafting):
             side.retire_stale(plans, current, realized)
             side.activate(plans, current, realized)
         # MAIN first: the head's catch-up writes the prompt's head entries that SIDE drafts read
-        cand = self._main_tree(s, text, state)
+        cand = yield from self._main_tree(s, text, state)
         with self.timed("other"):
             stepping = side.reserve_steps()
-        side.draft(stepping, self.drafter, s.prompt_aux)
+        yield from side.draft(stepping, self.drafter, s.prompt_aux)
         with self.timed("other"):
             extra, owners = side.segments(open_new=self._sides_pay())
         return Proposal(cand, extra, owners, self.drafter.drafted)
@@ -302,7 +302,7 @@ class SlotDrafting(Drafting):
                 plans[j].values[key] = literal
         return plans
 
-    def _main_tree(self, s: MainSession, text: str, state: Any) -> Candidates:
+    def _main_tree(self, s: MainSession, text: str, state: Any) -> Generator[Any, Any, Candidates]:
         """The head's draft tree, merged with prompt-lookup copies and the packer's chain."""
         cfg, plans = self.cfg, self.plans
         parts = []
@@ -330,7 +330,8 @@ class SlotDrafting(Drafting):
         # head forward every round: there it may draft fewer levels (its catch-up runs either
         # way); a chain that starts by guessing MAIN's value ends here does not count
         depth = cfg.chain_head_depth if certain and cfg.chain_head_depth else None
-        return Candidates.merged([self.drafter.candidates(s.tokens, s.new_aux, depth), *parts],
+        head = yield from self.drafter.candidate_steps(s.tokens, s.new_aux, depth)
+        return Candidates.merged([head, *parts],
                                  self.budget.stats.rate)
 
     def _packed(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],

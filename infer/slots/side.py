@@ -19,7 +19,7 @@ Parallel Fill generates its values under the same private contexts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generator
 
 from infer.rounds.call import Segment
 from infer.rounds.session import Verified
@@ -302,11 +302,12 @@ class SideBranches:
         """Branches with a pending token that got rows for their next step."""
         return [b for b in self.branches if b.pending is not None and self.contexts.reserve(b, self.depth)]
 
-    def draft(self, stepping: list[Branch], drafter: Any, prompt_aux: Any) -> None:
-        """The head's top-1 draft after each stepping branch's pending token (``side_depth`` 1)."""
+    def draft(self, stepping: list[Branch], drafter: Any, prompt_aux: Any) -> Generator[Any, Any, None]:
+        """The head's top-1 draft after each stepping branch's pending token (``side_depth`` 1);
+        yields the head forward it takes (``proposers/head.HeadStep``)."""
         if stepping and self.depth:
             entries, want = self.contexts.head_entries(stepping, prompt_aux)
-            for b, d in zip(stepping, drafter.top1(drafter.entries(*entries, want))):
+            for b, d in zip(stepping, (yield from drafter.entry_steps(*entries, want))):
                 b.draft = d
 
     def segments(self, open_new: bool = True) -> tuple[list[Segment], list[Branch | Trunk]]:

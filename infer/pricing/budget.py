@@ -46,6 +46,12 @@ class NodeBudget:
     def active(self) -> bool:
         return self.cost is not None
 
+    @property
+    def adaptive(self) -> bool:
+        """Selection that follows this host's timing (a cost model, host time measured): where
+        the round loop may also stop a request's drafting that does not pay (``rounds/backoff.py``)."""
+        return self.cost is not None and self.fixed_host_ms is None
+
     def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE) -> Candidates:
         """The candidates this round verifies, with ``fixed_rows`` rows in the call regardless
         (pending tokens, other segments) and ``share`` from the rest of the batch."""

@@ -230,6 +230,11 @@ class HeadDrafter:
     def propose(self, s: MainSession) -> Candidates:
         return alone(self.propose_steps(s))
 
+    def idle(self, s: MainSession) -> None:
+        """A round the request does not draft: its target features wait for the next catch-up."""
+        self.drafted = False
+        self.waiting.append(s.new_aux)
+
     def propose_steps(self, s: MainSession) -> Steps[Candidates]:
         return (yield from self.candidate_steps(s.tokens, s.new_aux))
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Hashable, Iterable, Iterator, Protocol
 
+from infer.rounds.backoff import DraftWorth, RoundRate
 from infer.rounds.call import Call, Output, Segment
 from infer.rounds.candidates import Candidates
 from infer.rounds.decoding import Decoded, DecodeOptions, Runtime
@@ -58,6 +59,11 @@ class Pricing(Protocol):
 
     def host(self, ms: float) -> None: ...
 
+    @property
+    def adaptive(self) -> bool:
+        """Does selection follow the host's timing (then drafting may back off, ``backoff.py``)?"""
+        ...
+
 
 class Drafting:
     """One request's proposers and policy. The defaults propose nothing (AR), select with
@@ -86,6 +92,18 @@ class Drafting:
         batch runs every request's at once; by default ``draft`` in one go."""
         yield from ()
         return self.draft(s)
+
+    @property
+    def backs_off(self) -> bool:
+        """May the loop skip this request's drafting where it does not pay? Only under a
+        pricing that follows the host's timing: the fixed budget verifies what is proposed,
+        and behaviour records keep their selection independent of timing."""
+        return self.pricing is not None and self.pricing.adaptive
+
+    def idle(self, s: MainSession) -> None:
+        """This round drafts nothing (its drafting is not worth its time in this batch,
+        ``backoff.py``): whatever the method must see of every round (the target's features
+        of the newest positions) waits for its next draft."""
 
     def select(self, s: MainSession, p: Proposal, share: Share = ALONE) -> Proposal:
         """The candidates worth their cost (all of them without ``pricing``), as rows of a call
@@ -143,6 +161,11 @@ class Proposing(Drafting):
     def start(self, s: MainSession, phases: Phases) -> None:
         self.proposer.start(s)
 
+    def idle(self, s: MainSession) -> None:
+        idle = getattr(self.proposer, "idle", None)  # a proposer that reads every round's features
+        if idle is not None:
+            idle(s)
+
     def drafting(self, s: MainSession) -> Generator[Step, Any, Proposal]:
         stepped = getattr(self.proposer, "propose_steps", None)  # a drafter model's forwards, as steps
         cand = (yield from stepped(s)) if stepped is not None else self.proposer.propose(s)
@@ -178,6 +201,8 @@ class Stream:
         self.tokens = 1.0  # committed tokens per round, running mean
         self.error: BaseException | None = None
         self.reused = 0  # prompt tokens whose KV came from another request's (``prefixes``)
+        self.worth = DraftWorth()  # is its drafting worth its host time in this batch (``backoff.py``)
+        self.draft_ms: float | None = None  # this round's drafting and selection, None: it did not draft
 
     @property
     def done(self) -> bool:
@@ -204,13 +229,16 @@ class Stream:
                 self.proposal = p = d.first(s)
             call = s.prefill_call(p.cand.tokens, p.cand.parents, p.extra)
         else:
+            started = time.perf_counter()
             with self.phases("drafting"):
                 self.proposal = p = d.select(s, self.drafted, share)
+            if self.draft_ms is not None:
+                self.draft_ms += 1e3 * (time.perf_counter() - started)
             call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
         self.rows = call.priced_rows
         return call
 
-    def take(self, call: Call, out: Output, seconds: float) -> None:
+    def take(self, call: Call, out: Output, seconds: float) -> int:
         """Read this request's share of the round's forward (``seconds`` long) and let the
         method learn from it."""
         s, d, p = self.s, self.drafting, self.proposal
@@ -219,14 +247,17 @@ class Stream:
         with self.phases(phase):
             v = s.take(call, out)
         if call.kind == "chunk":
-            return
+            return 0
         with self.phases("other"):
             if call.kind == "verify":
                 d.observe(s, p, v)
                 self.tokens = (1 - TOKENS_EMA) * self.tokens + TOKENS_EMA * v.committed
+                if self.draft_ms is not None:
+                    self.worth.drafted(v.committed, self.draft_ms)
             else:
                 self.prefilled, self.init_nodes = True, p.nodes
             d.settle(s, p, v)
+        return v.committed
 
     def decoded(self) -> Decoded:
         return self.s.decoded(init_nodes=self.init_nodes, times=self.phases.times, **self.drafting.finish(self.s))
@@ -242,6 +273,7 @@ class Batch:
         self.streams: list[Stream] = []
         self.since: float | None = None  # when the last forward ended: host time is priced from there
         self.last_rows = 0  # rows of the latest forward
+        self.rate = RoundRate()  # tokens per ms of its rounds: what a request's drafting time costs the batch
 
     def add(self, stream: Stream) -> None:
         """``stream`` joins at the next round, from the longest kept prefix of its prompt."""
@@ -254,7 +286,7 @@ class Batch:
 
     def step(self) -> list[Stream]:
         """One round for every request; returns those that ended in it (done, or with ``error``)."""
-        self._draft([st for st in self.streams if not st.done and st.prefilled])
+        self._draft([st for st in self.streams if not st.done and st.prefilled], self.rate.rate)
         streams = [st for st in self.streams if not st.done]
         budget = self.prefill_tokens if any(st.prefilled for st in streams) else None
         calls: list[tuple[Stream, Call]] = []
@@ -270,6 +302,7 @@ class Batch:
                 if budget is not None and not st.prefilled:
                     budget -= call.rows
         if calls:
+            began = self.since
             if self.since is not None:
                 host = 1e3 * (time.perf_counter() - self.since)
                 for st, call in calls:
@@ -279,27 +312,32 @@ class Batch:
             outs = run(self.target, [call for _, call in calls])
             seconds = time.perf_counter() - start
             self.since, self.last_rows = time.perf_counter(), outs[0].rows
+            committed = 0
             for (st, call), out in zip(calls, outs):
                 try:
-                    st.take(call, out, seconds)
+                    committed += st.take(call, out, seconds)
                 except Exception as e:  # noqa: BLE001 - e.g. the client went away (``on_commit`` raised)
                     st.error = e
                     continue
                 if call.kind == "prefill" and self.prefixes is not None:
                     s = st.s
                     self.prefixes.keep(s.prompt, s.arena, s.new_aux)  # before the arena's prompt slots can change
+            if began is not None:
+                self.rate.round(committed, 1e3 * (time.perf_counter() - began))
         ended = [st for st in self.streams if st.done]
         self.streams = [st for st in self.streams if not st.done]
         return ended
 
     @staticmethod
-    def _draft(streams: list[Stream]) -> None:
+    def _draft(streams: list[Stream], rate: float) -> None:
         """Every decoding request's draft for this round, their drafters' forwards run
         together: one forward per drafter model and step for the whole batch (``Step``), each
-        request charged its share."""
+        request charged its share. A request whose drafting is not worth its time in a batch
+        committing ``rate`` tokens per ms drafts nothing (``backoff.py``)."""
         asking: list[tuple[Stream, Generator[Step, Any, None], Step]] = []
 
         def advance(st: Stream, steps: Generator[Step, Any, None], result: Any) -> None:
+            started = time.perf_counter()
             try:
                 with st.phases("drafting"):
                     asking.append((st, steps, steps.send(result)))
@@ -307,9 +345,19 @@ class Batch:
                 pass
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 st.error = e
+            st.draft_ms += 1e3 * (time.perf_counter() - started)
 
         for st in streams:
-            advance(st, st.draft_steps(), None)
+            if not st.drafting.backs_off or st.worth.worth(rate):
+                st.draft_ms = 0.0
+                advance(st, st.draft_steps(), None)
+                continue
+            st.draft_ms, st.drafted = None, Proposal()
+            try:
+                with st.phases("drafting"):
+                    st.drafting.idle(st.s)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                st.error = e
         while asking:
             groups: dict[Hashable, list[tuple[Stream, Generator[Step, Any, None], Step]]] = {}
             for item in asking:
@@ -326,6 +374,7 @@ class Batch:
                 share = (time.perf_counter() - start) / len(group)
                 for (st, steps, _), result in zip(group, results):
                     st.phases.charge("drafting", share)
+                    st.draft_ms += 1e3 * share
                     advance(st, steps, result)
 
     @staticmethod

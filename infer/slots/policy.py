@@ -204,6 +204,9 @@ class SlotDrafting(Drafting):
         self.ledger.rows += sum(len(seg.tokens) for seg in extra)  # SIDE rows too: what SIDE branches cost
         return Proposal(Candidates.tree(*tree, "init"), extra, owners)
 
+    def idle(self, s: MainSession) -> None:
+        self.drafter.idle(s)
+
     def drafting(self, s: MainSession) -> Generator[Any, Any, Proposal]:
         side, plans = self.side, self.plans
         with self.timed("other"):  # align the plans and branches with what MAIN realized

@@ -1,0 +1,66 @@
+"""Speculation that backs off under load: the literal rule, and a batch whose requests stop
+drafting where it does not pay, decoding exactly what AR decodes either way."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.decoders import eagle3
+from infer.pricing.budget import NodeBudget
+from infer.pricing.cost_model import CostModel
+from infer.proposers.head import TreeBudget
+from infer.rounds import loop
+from infer.rounds.backoff import PROBE_EVERY, DraftWorth, RoundRate
+from infer.rounds.decoding import DecodeOptions, Runtime
+from schemafill.contract.prompt import prompt_ids
+from schemafill.runtime.loading import load_target, load_tokenizer
+from tests.conftest import decode_ar
+from tests.decoders.test_schemafill import random_head, request
+
+
+def test_drafting_pays_while_its_gain_beats_what_its_time_costs_the_batch():
+    w = DraftWorth()
+    assert w.worth(rate=10.0)  # not measured yet: it drafts
+    w.drafted(committed=3, ms=2.0)  # 2 tokens beyond the round's one, for 2 ms
+    assert w.worth(rate=0.9)  # alone: 2 ms cost 1.8 tokens
+    assert not w.worth(rate=1.5)  # in a busier batch 2 ms cost 3 tokens
+    assert [w.worth(rate=1.5) for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]  # a probe
+    w.drafted(committed=1, ms=2.0)  # nothing gained: the mean falls
+    assert w.gain == 0.75 * 2 and w.ms == 2.0
+
+
+def test_the_rate_is_a_running_mean_of_the_rounds():
+    r = RoundRate()
+    r.round(8, 16.0)
+    assert r.rate == 0.5
+    r.round(0, 0.0)  # no time: nothing learnt
+    r.round(16, 16.0)
+    assert r.rate == 0.75 * 0.5 + 0.25 * 1.0
+
+
+def test_a_batch_whose_head_is_not_worth_its_time_decodes_as_ar_without_drafting(tiny_target):
+    """A random head (its drafts rarely hold) in a batch of six: after its first measured rounds
+    each request drafts only its probe rounds, and every output equals AR's."""
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend="eager")
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    rt = Runtime(target, tok, eos, 24)
+    method = eagle3.declare(rt, random_head(target), TreeBudget(4, 4, 16), NodeBudget(CostModel((1, 64), (10.0, 50.0))))
+    names = ["bm25", "one_tool", "repeated", "twenty", "bm25", "one_tool"]
+    prompts = [prompt_ids(request(n), "plain", tok) for n in names]
+    streams = [method.stream(request(n), p, DecodeOptions()) for n, p in zip(names, prompts)]
+    batch = loop.Batch(target)
+    for st in streams:
+        batch.add(st)
+    drafted = skipped = 0
+    while batch.streams:
+        live = [st for st in batch.streams if st.prefilled and not st.done]
+        batch.step()
+        drafted += sum(st.draft_ms is not None for st in live)
+        skipped += sum(st.draft_ms is None for st in live)
+    assert skipped > drafted  # mostly backed off ...
+    assert drafted >= len(streams) * 2  # ... after drafting to measure, and probing
+    fixed = eagle3.declare(rt, random_head(target), TreeBudget(4, 4, 16), NodeBudget())  # the fixed budget
+    assert not fixed.stream(request("bm25"), prompts[0], DecodeOptions()).drafting.backs_off
+    for st, p in zip(streams, prompts):
+        assert st.decoded().ids == decode_ar(target, tok, p, 24, eos).ids

@@ -113,11 +113,15 @@ class HeadStep:
     def key(self) -> int:
         return id(self.head)
 
+    @property
+    def rows(self) -> int:
+        return len(self.part.input_ids)
+
     @staticmethod
     @torch.inference_mode()
     def run_together(steps: list["HeadStep"]) -> list[HeadResult]:
         """One forward of the head for ``steps`` (all of the same head), each request charged
-        an equal share of its time."""
+        its rows' share of its time."""
         started = time.perf_counter()
         head = steps[0].head
         dtype = head.fc.weight.dtype
@@ -132,8 +136,8 @@ class HeadStep:
         rows = [out[st.logits_at] for st, out in zip(steps, outs) if st.logits_at]
         logits = iter(head.logits(torch.cat(rows)).split([len(r) for r in rows]) if len(rows) > 1
                       else [head.logits(r) for r in rows])
-        ms = 1e3 * (time.perf_counter() - started) / len(steps)
-        return [HeadResult(out, next(logits) if st.logits_at else None, ms) for st, out in zip(steps, outs)]
+        ms = 1e3 * (time.perf_counter() - started) / sum(st.rows for st in steps)
+        return [HeadResult(out, next(logits) if st.logits_at else None, ms * st.rows) for st, out in zip(steps, outs)]
 
 
 def alone(steps: Steps[T]) -> T:

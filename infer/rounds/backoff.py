@@ -21,23 +21,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EMA = 0.25  # weight of the newest round in the running means
+EMA = 0.25  # weight of the newest round in the batch's running rate
+MEASURED = 3  # drafted rounds a request is measured over before it may stop drafting
 PROBE_EVERY = 8  # a request not worth its drafting still drafts one round in this many
 
 
 @dataclass
 class DraftWorth:
-    """One request's measured drafting: tokens it adds per drafted round beyond the one a
-    round commits anyway, and its milliseconds per round (its share of shared drafter
-    forwards included)."""
+    """One request's measured drafting, over its drafted rounds: the tokens they added beyond
+    the one a round commits anyway, and their milliseconds (shares of shared drafter forwards
+    included). Means over every drafted round, not the latest few: a single round that
+    commits one token (the response's first word, a value no draft knew) says little."""
 
-    gain: float | None = None
-    ms: float | None = None
+    gain_sum: float = 0.0
+    ms_sum: float = 0.0
+    rounds: int = 0
     skipped: int = 0  # rounds skipped in a row
+
+    @property
+    def gain(self) -> float | None:
+        return self.gain_sum / self.rounds if self.rounds else None
+
+    @property
+    def ms(self) -> float | None:
+        return self.ms_sum / self.rounds if self.rounds else None
 
     def worth(self, rate: float) -> bool:
         """Draft this round, in a batch committing ``rate`` tokens per ms? Always until measured."""
-        if self.gain is None or self.ms is None or self.gain >= rate * self.ms or self.skipped + 1 >= PROBE_EVERY:
+        if self.rounds < MEASURED or self.gain_sum >= rate * self.ms_sum or self.skipped + 1 >= PROBE_EVERY:
             self.skipped = 0
             return True
         self.skipped += 1
@@ -45,9 +56,9 @@ class DraftWorth:
 
     def drafted(self, committed: int, ms: float) -> None:
         """A drafted round committed ``committed`` tokens after ``ms`` of drafting."""
-        gain = max(committed - 1, 0)
-        self.gain = gain if self.gain is None else (1 - EMA) * self.gain + EMA * gain
-        self.ms = ms if self.ms is None else (1 - EMA) * self.ms + EMA * ms
+        self.gain_sum += max(committed - 1, 0)
+        self.ms_sum += ms
+        self.rounds += 1
 
 
 @dataclass

@@ -129,10 +129,14 @@ class Drafting:
 class Step(Protocol):
     """A forward of a drafter model that one request's drafting asks for mid-round. A batch
     runs the steps of equal ``key`` (the same model) as one forward: ``run_together`` returns
-    each step's result, in order."""
+    each step's result, in order. Each request is charged the forward's time in proportion to
+    its ``rows``."""
 
     @property
     def key(self) -> Hashable: ...
+
+    @property
+    def rows(self) -> int: ...
 
     @staticmethod
     def run_together(steps: list[Any]) -> list[Any]: ...
@@ -252,7 +256,9 @@ class Stream:
             if call.kind == "verify":
                 d.observe(s, p, v)
                 self.tokens = (1 - TOKENS_EMA) * self.tokens + TOKENS_EMA * v.committed
-                if self.draft_ms is not None:
+                if self.draft_ms is not None and s.counts.target_calls > 2:
+                    # not from the first round: its drafting takes in the whole prompt (the head's
+                    # catch-up over every prompt position), a cost paid once, not per round
                     self.worth.drafted(v.committed, self.draft_ms)
             else:
                 self.prefilled, self.init_nodes = True, p.nodes
@@ -332,7 +338,7 @@ class Batch:
     def _draft(streams: list[Stream], rate: float) -> None:
         """Every decoding request's draft for this round, their drafters' forwards run
         together: one forward per drafter model and step for the whole batch (``Step``), each
-        request charged its share. A request whose drafting is not worth its time in a batch
+        request charged its rows' share. A request whose drafting is not worth its time in a batch
         committing ``rate`` tokens per ms drafts nothing (``backoff.py``)."""
         asking: list[tuple[Stream, Generator[Step, Any, None], Step]] = []
 
@@ -371,8 +377,10 @@ class Batch:
                     for st, _, _ in group:
                         st.error = e
                     continue
-                share = (time.perf_counter() - start) / len(group)
-                for (st, steps, _), result in zip(group, results):
+                seconds = time.perf_counter() - start
+                rows = sum(step.rows for _, _, step in group)
+                for (st, steps, step), result in zip(group, results):
+                    share = seconds * step.rows / rows
                     st.phases.charge("drafting", share)
                     st.draft_ms += 1e3 * share
                     advance(st, steps, result)

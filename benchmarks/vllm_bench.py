@@ -1,13 +1,15 @@
 """vLLM bench: SchemaFill's proposer inside vLLM beside vLLM's own speculation, on one target.
 
     make vllm-bench                       # its own environment (.venv-vllm), so `make test` stays light
-    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_bench.py [--limit 16] [--configs ar,ngram,suffix,schemafill]
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_bench.py [--limit 16] [--at-once 4,16,64]
+                                                   [--configs ar,ngram,suffix,schemafill]
                                                    [--artifacts artifacts] [--out outputs/bench/vllm.json]
 
 Each configuration runs in a process of its own (one vLLM engine at a time on the host): the
-same ``--limit`` BFCL450 requests (evenly spread over the file, rendered as the pipeline renders
-them for the target), greedy, up to ``--max-tokens`` tokens each, first one request at a time,
-then all of them submitted at once (``--together``, default all). Reports tokens per second,
+same BFCL450 requests (spread over the file, rendered as the pipeline renders them for the
+target), greedy, up to ``--max-tokens`` tokens each, first ``--limit`` of them one request at a
+time, then the first n of them submitted at once for each n in ``--at-once`` (default 4, 16 and
+64: a server's load). Reports tokens per second,
 acceptance length (vLLM's own counters: 1 + accepted / drafts), and whether every output equals
 vLLM's greedy output without speculation; JSON, and a table to paste into docs/.
 
@@ -55,15 +57,14 @@ def prompts(artifacts: Path, limit: int, model_name: str) -> tuple[list[str], li
 
     from schemafill.config import ModelConfig
     from schemafill.contract.prompt import model_prompt_ids
-    from schemafill.contract.records import read_requests
+    from schemafill.contract.records import read_requests, spread
 
     model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                                 OmegaConf.load(ROOT / "conf" / "model" / f"{model_name}.yaml")))
     target = artifacts / "targets" / model.name
     if not (target / "config.json").is_file():
         raise FileNotFoundError(f"no fine-tuned target at {target}: run `make run` first (or pass --artifacts)")
-    requests, _ = read_requests(str(artifacts / "requests" / "bfcl450.jsonl"))
-    requests = [requests[i * len(requests) // limit] for i in range(min(limit, len(requests)))]
+    requests = spread(read_requests(str(artifacts / "requests" / "bfcl450.jsonl"))[0], limit)
     tokenizer = AutoTokenizer.from_pretrained(target)
     return [r.id for r in requests], [model_prompt_ids(r, model, tokenizer) for r in requests], str(target), model
 
@@ -91,14 +92,15 @@ def response_lengths(outputs: list[list[int]], tokenizer, fmt, eos: frozenset[in
 
 
 def run_config(name: str, args: argparse.Namespace, lengths: list[int] | None) -> dict:
-    """One configuration in this process: one request at a time, then all together, each
+    """One configuration in this process: one request at a time, then each load at once, each
     request decoding exactly ``lengths[i]`` tokens (without them: measured first, greedy)."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     from schemafill.contract.stopping import eos_token_ids
 
-    ids, prompt_ids, target, model = prompts(Path(args.artifacts), args.limit, args.model)
+    loads = at_once(args)
+    ids, prompt_ids, target, model = prompts(Path(args.artifacts), max(args.limit, *loads), args.model)
     started = time.perf_counter()
     llm = LLM(model=target, dtype=args.dtype, max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
               speculative_config=speculative_config(name, args.k))
@@ -110,38 +112,43 @@ def run_config(name: str, args: argparse.Namespace, lengths: list[int] | None) -
         lengths = response_lengths([o.outputs[0].token_ids for o in free], tokenizer, model.fmt,
                                    eos_token_ids(tokenizer), args.max_tokens)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    before = counters(llm)
-    outputs, t0 = [], time.perf_counter()
-    for p, sp in zip(prompt_ids, params):
-        outputs += llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
-    one = time.perf_counter() - t0
-    after_one = counters(llm)
-    n = args.together or len(prompt_ids)
-    t0 = time.perf_counter()
-    batch = llm.generate([{"prompt_token_ids": p} for p in prompt_ids[:n]], params[:n], use_tqdm=False)
-    many = time.perf_counter() - t0
-    after_many = counters(llm)
 
     def al(a: dict, b: dict) -> float | None:
         drafts = b.get("spec_decode_num_drafts", 0) - a.get("spec_decode_num_drafts", 0)
         accepted = b.get("spec_decode_num_accepted_tokens", 0) - a.get("spec_decode_num_accepted_tokens", 0)
         return round(1 + accepted / drafts, 3) if drafts else None
 
-    tokens_one = [list(o.outputs[0].token_ids) for o in outputs]
-    tokens_many = [list(o.outputs[0].token_ids) for o in batch]
+    def timed(batches: list[list[int]]) -> tuple[list[list[int]], dict]:
+        """Each batch of request indices submitted at once, one after another."""
+        before, outputs, t0 = counters(llm), [], time.perf_counter()
+        for batch in batches:
+            outputs += llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in batch], [params[i] for i in batch],
+                                    use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        return tokens, {"requests": len(tokens), "tokens": sum(map(len, tokens)), "seconds": round(seconds, 3),
+                        "tps": round(sum(map(len, tokens)) / seconds, 2), "al": al(before, counters(llm))}
+
+    tokens_one, one = timed([[i] for i in range(min(args.limit, len(prompt_ids)))])
+    loaded = {n: timed([list(range(min(n, len(prompt_ids))))]) for n in loads}
     return {"config": name, "speculative_config": speculative_config(name, args.k), "startup_s": round(startup, 1),
-            "ids": ids, "lengths": lengths, "outputs": tokens_one, "outputs_together": tokens_many,
-            "one": {"tokens": sum(map(len, tokens_one)), "seconds": round(one, 3),
-                    "tps": round(sum(map(len, tokens_one)) / one, 2), "al": al(before, after_one)},
-            "together": {"requests": n, "tokens": sum(map(len, tokens_many)), "seconds": round(many, 3),
-                         "tps": round(sum(map(len, tokens_many)) / many, 2), "al": al(after_one, after_many)}}
+            "ids": ids, "lengths": lengths, "outputs": tokens_one, "one": one,
+            "at_once": {str(n): {**r, "outputs": t} for n, (t, r) in loaded.items()}}
+
+
+def at_once(args: argparse.Namespace) -> list[int]:
+    """The loads ``--at-once`` names, requests submitted together."""
+    loads = [int(n) for n in str(args.at_once).split(",") if n]
+    if not loads or min(loads) < 1:
+        raise ValueError(f"--at-once must name loads of at least one request, got {args.at_once!r}")
+    return loads
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--configs", default=CONFIGS, help=f"comma-separated, from {CONFIGS}")
-    ap.add_argument("--limit", type=int, default=16, help="requests, evenly spread over BFCL450")
-    ap.add_argument("--together", type=int, default=0, help="requests submitted at once (0: all of them)")
+    ap.add_argument("--limit", type=int, default=16, help="requests decoded one at a time, spread over BFCL450")
+    ap.add_argument("--at-once", default="4,16,64", help="loads: this many requests submitted at once, each in turn")
     ap.add_argument("--k", type=int, default=8, help="draft tokens per step for suffix and schemafill")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -161,6 +168,7 @@ def main() -> None:
     names = args.configs.split(",")
     for name in names:
         speculative_config(name, args.k)  # a wrong name fails before any engine starts
+    loads = at_once(args)
     names = ["ar"] + [n for n in names if n != "ar"]  # AR first: its outputs fix every request's length
     results, errors, lengths = {}, {}, None
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,8 +186,8 @@ def main() -> None:
                 results[name] = json.loads(result.read_text())
                 lengths = lengths or results[name]["lengths"]
                 r = results[name]
-                print(f"[vllm-bench] {name}: {r['one']['tps']} tok/s one at a time, {r['together']['tps']} together",
-                      flush=True)
+                print(f"[vllm-bench] {name}: {r['one']['tps']} tok/s one at a time, " +
+                      ", ".join(f"{r['at_once'][str(n)]['tps']} at {n}" for n in loads), flush=True)
             else:
                 tail = [ln for ln in (done.stderr or done.stdout).strip().splitlines()
                         if "Error" in ln or "error" in ln][-4:] or (done.stderr or done.stdout).strip().splitlines()[-4:]
@@ -190,28 +198,28 @@ def main() -> None:
     reference = results.get("ar")
     rows = []
     for name, r in results.items():
-        same = same_together = None
-        if reference is not None:
-            same = sum(a == b for a, b in zip(r["outputs"], reference["outputs"]))
-            same_together = sum(a == b for a, b in zip(r["outputs_together"], reference["outputs"]))
-        r["equal_to_ar"] = same
-        r["equal_to_ar_together"] = same_together
         ar = reference or r
-        rows.append((name, r["one"]["tps"], r["one"]["tps"] / ar["one"]["tps"], r["one"]["al"], r["together"]["tps"],
-                     r["together"]["tps"] / ar["together"]["tps"], r["together"]["al"],
-                     None if same is None else f"{same}/{len(r['outputs'])}, {same_together}/{len(r['outputs_together'])}",
-                     r["startup_s"]))
+        r["equal_to_ar"] = None if reference is None else \
+            sum(a == b for a, b in zip(r["outputs"], reference["outputs"]))
+        cells = [f"{r['one']['tps']:.1f} ({r['one']['tps'] / ar['one']['tps']:.2f}×, AL {r['one']['al'] or '-'})"]
+        equal = [f"{r['equal_to_ar']}/{len(r['outputs'])}" if reference else "-"]
+        for n in loads:
+            mine, theirs = r["at_once"][str(n)], ar["at_once"][str(n)]
+            mine["equal_to_ar"] = None if reference is None else \
+                sum(a == b for a, b in zip(mine["outputs"], theirs["outputs"]))
+            cells.append(f"{mine['tps']:.1f} ({mine['tps'] / theirs['tps']:.2f}×, AL {mine['al'] or '-'})")
+            equal.append(f"{mine['equal_to_ar']}/{len(mine['outputs'])}" if reference else "-")
+        rows.append((name, cells, ", ".join(equal), r["startup_s"]))
     out = {"host": host.summary(), "configs": results, "errors": errors,
            "args": {k: v for k, v in vars(args).items() if k not in ("one", "lengths", "result")}}
     path = Path(args.out)
     atomic.write_json(path, out)
-    n = len(next(iter(results.values()))["outputs"]) if results else 0
-    print(f"\n| vLLM ({args.dtype}) | one at a time tok/s | ×AR | AL | {n} at once tok/s | ×AR | AL | "
-          f"= AR (one, at once) | start-up s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, t1, x1, a1, tn, xn, an, same, startup in rows:
-        print(f"| {name} | {t1:.1f} | {x1:.2f} | {a1 or '-'} | {tn:.1f} | {xn:.2f} | {an or '-'} | {same or '-'} | "
-              f"{startup} |")
+    print(f"\n| vLLM ({args.dtype}) | one at a time tok/s (×AR, AL) | " +
+          " | ".join(f"{n} at once" for n in loads) + " | = AR's tokens (one, " + ", ".join(map(str, loads)) +
+          ") | start-up s |")
+    print("|---" * (len(loads) + 4) + "|")
+    for name, cells, same, startup in rows:
+        print(f"| {name} | " + " | ".join(cells) + f" | {same} | {startup} |")
     h = out["host"]
     print(f"[vllm-bench] host: {h['cpu_model']} ({h['cpu_capability']}, {h['cpu_count']} CPUs); wrote {path}")
 

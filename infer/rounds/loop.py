@@ -180,7 +180,6 @@ class Proposing(Drafting):
 
 
 LOOP_PHASES = ("initialisation", "drafting", "verification", "other")
-TOKENS_EMA = 0.2  # weight of a request's newest round in its tokens per round (what its share brings)
 
 
 class Stream:
@@ -201,8 +200,6 @@ class Stream:
         self.proposal = Proposal()
         self.drafted = Proposal()  # this round's draft, before selection
         self.init_nodes = 0
-        self.rows = 1  # priced rows of its latest call (what it will likely add to the next one)
-        self.tokens = 1.0  # committed tokens per round, running mean
         self.error: BaseException | None = None
         self.reused = 0  # prompt tokens whose KV came from another request's (``prefixes``)
         self.worth = DraftWorth()  # is its drafting worth its host time in this batch (``backoff.py``)
@@ -239,7 +236,6 @@ class Stream:
             if self.draft_ms is not None:
                 self.draft_ms += 1e3 * (time.perf_counter() - started)
             call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
-        self.rows = call.priced_rows
         return call
 
     def take(self, call: Call, out: Output, seconds: float) -> int:
@@ -255,7 +251,6 @@ class Stream:
         with self.phases("other"):
             if call.kind == "verify":
                 d.observe(s, p, v)
-                self.tokens = (1 - TOKENS_EMA) * self.tokens + TOKENS_EMA * v.committed
                 if self.draft_ms is not None and s.counts.target_calls > 2:
                     # not from the first round: its drafting takes in the whole prompt (the head's
                     # catch-up over every prompt position), a cost paid once, not per round
@@ -269,10 +264,15 @@ class Stream:
         return self.s.decoded(init_nodes=self.init_nodes, times=self.phases.times, **self.drafting.finish(self.s))
 
 
+BIG_FORWARD = 64  # rows of a forward whose time per row stands for a prompt row's
+ROW_EMA = 0.2
+
+
 class Batch:
     """Requests decoding together: each ``step`` is one round, one target forward for all of
-    them (module docstring). ``prefill_tokens``: prompt tokens a round may carry while some
-    request decodes (a lone request, or a batch still all prefilling, takes whole prompts)."""
+    them (module docstring). ``prefill_tokens``: prompt tokens a round may carry at least while
+    some request decodes (a lone request, or a batch still all prefilling, takes whole prompts;
+    ``prompt_budget``)."""
 
     def __init__(self, target: Target, prefill_tokens: int = 256, prefixes: PrefixCache | None = None) -> None:
         self.target, self.prefill_tokens, self.prefixes = target, prefill_tokens, prefixes
@@ -280,6 +280,8 @@ class Batch:
         self.since: float | None = None  # when the last forward ended: host time is priced from there
         self.last_rows = 0  # rows of the latest forward
         self.rate = RoundRate()  # tokens per ms of its rounds: what a request's drafting time costs the batch
+        self.row_ms = 0.0  # a prompt row's forward milliseconds (``prompt_budget``)
+        self.rest_ms = 0.0  # the latest round's milliseconds besides its prompt rows
 
     def add(self, stream: Stream) -> None:
         """``stream`` joins at the next round, from the longest kept prefix of its prompt."""
@@ -294,7 +296,7 @@ class Batch:
         """One round for every request; returns those that ended in it (done, or with ``error``)."""
         self._draft([st for st in self.streams if not st.done and st.prefilled], self.rate.rate)
         streams = [st for st in self.streams if not st.done]
-        budget = self.prefill_tokens if any(st.prefilled for st in streams) else None
+        budget = self.prompt_budget() if any(st.prefilled for st in streams) else None
         calls: list[tuple[Stream, Call]] = []
         # prompts first (their rows are known), then each request's draft priced with the rest of the call
         for st in sorted(streams, key=lambda st: st.prefilled):
@@ -309,6 +311,7 @@ class Batch:
                     budget -= call.rows
         if calls:
             began = self.since
+            host = 0.0
             if self.since is not None:
                 host = 1e3 * (time.perf_counter() - self.since)
                 for st, call in calls:
@@ -318,6 +321,7 @@ class Batch:
             outs = run(self.target, [call for _, call in calls])
             seconds = time.perf_counter() - start
             self.since, self.last_rows = time.perf_counter(), outs[0].rows
+            self._time_prompts(calls, host, 1e3 * seconds, outs[0].rows)
             committed = 0
             for (st, call), out in zip(calls, outs):
                 try:
@@ -333,6 +337,26 @@ class Batch:
         ended = [st for st in self.streams if st.done]
         self.streams = [st for st in self.streams if not st.done]
         return ended
+
+    def prompt_budget(self) -> int:
+        """Prompt tokens this round may carry while requests decode: ``prefill_tokens``, or more
+        where the rest of a round (host work, decoding rows) takes longer than that many prompt
+        rows do, so waiting prompts get at least as much of each round as the decoding requests.
+        A batch whose drafting makes its rounds long would otherwise admit prompts ever more
+        slowly: fewer requests decode, and their time to first token grows without bound."""
+        if not self.row_ms:
+            return self.prefill_tokens
+        return max(self.prefill_tokens, int(self.rest_ms / self.row_ms))
+
+    def _time_prompts(self, calls: list[tuple[Stream, Call]], host_ms: float, forward_ms: float, rows: int) -> None:
+        """What a prompt row costs in a forward (a running mean over forwards of many rows,
+        where the fixed part is small) and how long the latest round took besides its prompt rows."""
+        prompt = sum(c.rows if c.kind == "chunk" else c.rows - c.priced_rows if c.kind == "prefill" else 0
+                     for _, c in calls)
+        if rows >= BIG_FORWARD:
+            per_row = forward_ms / rows
+            self.row_ms = per_row if not self.row_ms else (1 - ROW_EMA) * self.row_ms + ROW_EMA * per_row
+        self.rest_ms = host_ms + forward_ms * (rows - prompt) / max(rows, 1)
 
     @staticmethod
     def _draft(streams: list[Stream], rate: float) -> None:
@@ -387,13 +411,24 @@ class Batch:
 
     @staticmethod
     def _share(me: Stream, streams: list[Stream], calls: list[tuple[Stream, Call]]) -> Share:
-        """The rest of this round's call as ``me`` selects (``Share``): the calls built so far, and
-        what the requests still to draft added last round."""
-        built = {id(st) for st, _ in calls}
-        rows = sum(c.priced_rows for st, c in calls) + \
-            sum(st.rows for st in streams if st is not me and id(st) not in built)
-        tokens = sum(st.tokens for st in streams if st is not me and st.prefilled)
-        return Share(rows, tokens)
+        """The rest of this round's call as ``me`` selects (``Share``): the rows the other
+        requests carry whatever anyone drafts — a decoding request's pending tokens, a prefill's
+        priced rows — and the token each decoding request commits for sure. Not their drafts:
+        priced against a batch rate that counts the others' drafts, every request keeps nodes
+        that only beat the others' drafts, and a batch that drafted heavily at low load goes on
+        drafting rows that bring less than plain decoding's one token a row."""
+        built = {id(st): call for st, call in calls}
+        rows = tokens = 0
+        for st in streams:
+            if st is me:
+                continue
+            call = built.get(id(st))
+            if call is not None:
+                rows += call.main_rows - len(call.tree_tokens) if call.kind == "verify" else call.priced_rows
+            elif st.prefilled:
+                rows += 1
+            tokens += st.prefilled
+        return Share(rows, float(tokens))
 
 
 def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> Decoded:

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Share:
-    """The rest of a batched call, as one request prices its own rows: the other requests'
-    rows that bring this round's tokens (what one more row costs depends on them) and the tokens
-    they are expected to commit (what the call brings besides this request's). Alone: nothing.
+    """The rest of a batched call, as one request prices its own rows: the rows the other
+    requests carry whatever anyone drafts (their pending tokens) and the tokens those commit
+    for sure, one a decoding request. A node is kept only where it beats what plain decoding
+    of the batch brings per millisecond; the others' drafts are left out, or a batch that
+    drafts heavily would price every node against its own low yield and keep drafting rows
+    worth less than plain decoding's. Alone: nothing.
 
     A prompt's rows are left out: the prompt's KV is owed whatever anyone drafts, so charging it
     to the round would make a round beside a prompt look slow and every node in it look cheap

@@ -95,5 +95,17 @@ def read_requests(path: str | os.PathLike, log: RejectLog | None = None) -> tupl
     return out, log
 
 
+def spread(items: list, n: int) -> list:
+    """``n`` of ``items`` (all, when fewer), evenly spread over them and ordered so that every
+    prefix is spread too (bit-reversed order): a bench level that takes the first m of them
+    takes a spread sample."""
+    n = min(n, len(items))
+    if n == 0:
+        return []
+    bits = max(1, (n - 1).bit_length())
+    order = [i for i in sorted(range(1 << bits), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2)) if i < n]
+    return [items[i * len(items) // n] for i in order]
+
+
 def write_requests(path: str | os.PathLike, requests: list[ToolRequest]) -> None:
     atomic.write_jsonl(path, [r.to_dict() for r in requests])

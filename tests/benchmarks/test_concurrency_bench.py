@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.concurrency_bench import (Turn, check_answers, followed, hangup_check, plot, run_level,
-                                          spread_order)
-from schemafill.contract.records import read_requests
+from benchmarks.concurrency_bench import Turn, check_answers, followed, hangup_check, plot, run_level
+from schemafill.contract.records import read_requests, spread
 from tests.eval.test_infer import tiny_head  # noqa: F401  (fixture)
 from tests.serving.test_load import busy  # noqa: F401  (fixture)
 from tests.serving.test_serve import MODEL
 
 
-def test_every_prefix_of_the_spread_order_is_spread():
-    assert spread_order(8) == [0, 4, 2, 6, 1, 5, 3, 7]
-    assert spread_order(6) == [0, 4, 2, 1, 5, 3]
-    assert sorted(spread_order(100)) == list(range(100))
-    assert max(spread_order(100)[:4]) - min(spread_order(100)[:4]) >= 50  # the first few span the list
+def test_every_prefix_of_a_spread_is_spread():
+    assert spread(list(range(8)), 8) == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert spread(list(range(12)), 6) == [0, 8, 4, 2, 10, 6]
+    assert sorted(spread(list(range(100)), 100)) == list(range(100)) and spread([1, 2], 5) == [1, 2]
+    first = spread(list(range(1000)), 100)[:4]
+    assert max(first) - min(first) >= 500  # the first few span the list
 
 
 def test_an_agents_next_turn_carries_its_calls_and_their_results():

@@ -140,7 +140,9 @@ def test_batched_rounds_verify_every_request_in_one_forward_and_prefill_in_piece
         while not late.prefilled:
             batch.step()
         pieces = [rows[0] for rows in forwards[1:]]  # the late prompt first in each forward
-        assert pieces == [32, 32, 32, 32, 22]  # the last prompt token goes with the prefill's call
+        # pieces of at least prefill_tokens (more where the rest of a round takes longer:
+        # ``prompt_budget``), the last prompt token with the prefill's call
+        assert len(pieces) > 2 and sum(pieces) == 150 and min(pieces[:-1]) >= 32
         assert all(rows[1:] == [1, 1] for rows in forwards[1:])  # the others went on decoding, one row each
         while batch.streams:
             batch.step()
@@ -188,7 +190,14 @@ def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
     step = decoding.next_call()
     assert step.kind == "verify" and step.priced_rows == step.rows == 1
     assert loop.Batch._share(late, [decoding, late, joining], [(joining, prefill), (decoding, step)]) == \
-        Share(prefill.priced_rows + 1, decoding.tokens)
+        Share(prefill.priced_rows + 1, 1.0)  # the decoding request's pending token, and its one sure token
+    proposing = loop.Drafting()
+    proposing.scratch = 8
+    drafted = loop.Stream(rt, prompt_ids(request("bm25"), "plain", tok), DecodeOptions(), proposing)
+    drafted.s.prefill()
+    drafted.prefilled = True
+    tree = drafted.s.verify_call([5, 6, 7], [-1, 0, 1])  # its drafts ride in the call, not in the price
+    assert loop.Batch._share(late, [decoding, late, drafted], [(drafted, tree)]) == Share(1 + 1, 2.0)
 
 
 def test_the_heads_drafting_for_a_batch_is_one_forward_per_step(tiny, monkeypatch):
@@ -220,3 +229,21 @@ def test_the_heads_drafting_for_a_batch_is_one_forward_per_step(tiny, monkeypatc
     assert max(sizes) == len(jobs) and len(sizes) < sum(sizes) / 2  # ... most of them together
     for (m, n), p, out in zip(jobs, prompts, outs):
         assert out.ids == decode_ar(target, tok, p, 16, eos).ids, (m, n)
+
+
+def test_waiting_prompts_get_at_least_as_much_of_a_round_as_the_decoding_requests(tiny):
+    """A round of 100 rows (40 of them a prompt's) that took 50 ms of forward and 30 of host
+    work: a prompt row costs 0.5 ms, the rest of the round 60 ms, so the next round may carry
+    120 prompt tokens where ``prefill_tokens`` says 32; a short round leaves it at 32."""
+    target, tok, eos = tiny
+    rt = Runtime(target, tok, eos, 8)
+    batch = loop.Batch(target, prefill_tokens=32)
+    assert batch.prompt_budget() == 32  # nothing measured yet
+    st = loop.Stream(rt, prompt_ids(request("twenty"), "plain", tok), DecodeOptions(), loop.Drafting())
+    piece = st.next_call(prefill_tokens=40)
+    assert piece.kind == "chunk" and piece.rows == 40
+    batch._time_prompts([(st, piece)], host_ms=30.0, forward_ms=50.0, rows=100)
+    assert batch.row_ms == 0.5 and batch.rest_ms == 30.0 + 50.0 * 60 / 100
+    assert batch.prompt_budget() == 120
+    batch._time_prompts([], host_ms=2.0, forward_ms=10.0, rows=8)  # too few rows to price a prompt row by
+    assert batch.row_ms == 0.5 and batch.prompt_budget() == 32

@@ -20,7 +20,8 @@ calls and their results in the messages) until the model answers without a call 
 ``--turns`` turns — what a server sees from agents, and where a prompt's prefix repeats.
 
 Reports completion tokens per second over all clients, p50 / p95 / p99 request latency and
-p50 / p95 time to the first token (the first streamed delta with text or a call), each
+p50 / p95 time to the first token (the first streamed delta with text or a call), the share of
+prompt tokens copied from kept prefixes instead of prefilled, each
 method's ratio to its own one-client throughput and to AR at the same number of clients, and
 checks that every answer equals the one the same method gave the same request at every other
 level and (greedy) AR's. Then, at the most clients, every method's clients at once with a
@@ -78,10 +79,12 @@ class Turn:
         stream = client.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0,
                                                 stream=True, stream_options={"include_usage": True})
         self.hung_up = False
+        self.finish: str | None = None
         for chunk in stream:
             if chunk.usage is not None:
                 self.tokens = chunk.usage.completion_tokens
             for choice in chunk.choices:
+                self.finish = choice.finish_reason or self.finish
                 d = choice.delta
                 if self.first is None and (d.content or d.tool_calls):
                     self.first = time.perf_counter() - t0
@@ -145,7 +148,7 @@ def run_level(url: str, model: str, requests: list, clients: int, turns: int = 1
                     with lock:
                         latency.append(turn.latency)
                         ttft.append(turn.first if turn.first is not None else turn.latency)
-                    if not turn.calls:
+                    if not turn.calls or turn.finish != "tool_calls":  # no call, or one the length cap cut
                         break
                     messages = followed(messages, turn.content, turn.calls)
             except Exception as e:  # noqa: BLE001 - reported, and the run fails at the end
@@ -168,17 +171,24 @@ def run_level(url: str, model: str, requests: list, clients: int, turns: int = 1
             "errors": errors, "answers": answers}
 
 
-def served_counts(url: str) -> dict[tuple[str, str], float]:
-    """``schemafill_requests_total`` by (method, status), from the server's /metrics."""
+def samples(url: str, name: str) -> list:
+    """The samples named ``name`` on the server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    counts = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            if s.name == "schemafill_requests_total":
-                counts[(s.labels["method"], s.labels["status"])] = s.value
-    return counts
+    return [s for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+            for s in family.samples if s.name == name]
+
+
+def served_counts(url: str) -> dict[tuple[str, str], float]:
+    """``schemafill_requests_total`` by (method, status)."""
+    return {(s.labels["method"], s.labels["status"]): s.value for s in samples(url, "schemafill_requests_total")}
+
+
+def prompt_counts(url: str, method: str) -> tuple[float, float]:
+    """Prompt tokens ``method`` decoded so far, and how many of them it copied from kept prefixes."""
+    return tuple(sum(s.value for s in samples(url, name) if s.labels["method"] == method)
+                 for name in ("schemafill_prompt_tokens_total", "schemafill_prompt_tokens_reused_total"))
 
 
 def hangup_check(url: str, name: str, methods: list[str], requests: list, clients: int, reference: dict) -> dict:
@@ -300,7 +310,10 @@ def main() -> None:
         for j, k in enumerate(levels):
             for m in methods[j % len(methods):] + methods[:j % len(methods)]:
                 engine.between_rounds(lambda m=m: decoders.reset(engine.decoders[m])).result()  # idle: no round
+                before = prompt_counts(url, m)
                 runs[m].append(run_level(url, f"{name}:{m}", requests[:sent[k]], k, turns))
+                (prompt, reused), (prompt0, reused0) = prompt_counts(url, m), before
+                runs[m][-1]["prompt_tokens"], runs[m][-1]["reused_tokens"] = prompt - prompt0, reused - reused0
                 bar.set_postfix_str(f"{m} x{k}: {runs[m][-1]['tps']:.1f} tok/s")
                 bar.update()
         bar.close()
@@ -316,7 +329,7 @@ def main() -> None:
     machine = host.summary()
     where = f"{machine['cpu_model']} ({machine['cpu_capability']}, {machine['torch_threads']} threads)"
     print(f"{'method':<11} {'clients':>7} {'tok/s':>7} {'x1 client':>9} {'xAR':>6} {'p50 s':>7} {'p95 s':>7} "
-          f"{'p99 s':>7} {'TTFT50':>7} {'TTFT95':>7}")
+          f"{'p99 s':>7} {'TTFT50':>7} {'TTFT95':>7} {'reused':>7}")
     table = {}
     for m, rs in runs.items():
         table[m] = []
@@ -329,7 +342,7 @@ def main() -> None:
             xar = f"{row['over_ar']:6.2f}" if ar else "     -"
             print(f"{m:<11} {r['clients']:7d} {r['tps']:7.1f} {row['over_one_client']:9.2f} {xar} "
                   f"{r['p50_s']:7.2f} {r['p95_s']:7.2f} {r['p99_s']:7.2f} {r['ttft_p50_s']:7.2f} "
-                  f"{r['ttft_p95_s']:7.2f}")
+                  f"{r['ttft_p95_s']:7.2f} {r['reused_tokens'] / max(r['prompt_tokens'], 1):7.0%}")
     if hangup:
         print(f"hang-up run, {hangup['clients']} clients: {hangup['answered']} answered, {hangup['hung_up']} hung up, "
               f"served {hangup['served']}, each counted once: {hangup['counted_once']}, "

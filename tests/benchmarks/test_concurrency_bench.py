@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.concurrency_bench import Turn, check_answers, followed, hangup_check, plot, run_level
+from benchmarks.concurrency_bench import (Turn, check_answers, followed, hangup_check, plot, prompt_counts,
+                                          run_level)
 from schemafill.contract.records import read_requests, spread
 from tests.eval.test_infer import tiny_head  # noqa: F401  (fixture)
 from tests.serving.test_load import busy  # noqa: F401  (fixture)
@@ -46,7 +47,10 @@ def test_answers_must_agree_across_levels_and_with_ar():
 def test_clients_share_the_requests_and_their_answers_match_one_clients(busy, builtin_artifacts, tmp_path):  # noqa: F811
     engine, server = busy
     requests = read_requests(builtin_artifacts / "requests" / "bfcl450.jsonl")[0][::75][:5]
+    before = prompt_counts(server.url, "eagle3")
     one = run_level(server.url, f"{MODEL}:eagle3", requests, 1)
+    prompt, reused = (a - b for a, b in zip(prompt_counts(server.url, "eagle3"), before))
+    assert prompt > 5 * 100 and 0 <= reused < prompt  # five prompts' tokens, some of them from kept prefixes
     three = run_level(server.url, f"{MODEL}:eagle3", requests, 3)
     for r in (one, three):
         assert not r["errors"] and all(a is not None for a in r["answers"])
@@ -64,7 +68,7 @@ def test_clients_share_the_requests_and_their_answers_match_one_clients(busy, bu
     r = requests[0]
     convo = followed(r.messages, "", [{"id": None, "name": r.tools[0]["function"]["name"], "arguments": "{}"}])
     later = Turn(client, f"{MODEL}:ar", convo, r.tools)
-    assert later.tokens > 0 and later.first is not None and not later.hung_up
+    assert later.tokens > 0 and later.first is not None and not later.hung_up and later.finish in ("stop", "length", "tool_calls")
 
     # a quarter hanging up: the others answered as before, every request counted once
     reference = {m: {rq.id: (Turn(client, f"{MODEL}:{m}", rq.messages, rq.tools).answer,) for rq in requests[:2]}

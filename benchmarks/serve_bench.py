@@ -30,7 +30,7 @@ from infer.serving.engine import Engine
 from infer.serving.message import message
 from schemafill import atomic
 from schemafill.config import ServeConfig, compose_config
-from schemafill.contract.records import read_requests
+from schemafill.contract.records import evenly, read_requests
 from schemafill.runtime import host
 
 
@@ -105,7 +105,7 @@ def main() -> None:
     cfg = compose_config("serve", [f"method={methods[0]}", f"methods=[{','.join(methods[1:])}]", *overrides],
                          ServeConfig)
     requests = read_requests(args.requests)[0]
-    requests = [requests[i * len(requests) // args.limit] for i in range(min(args.limit, len(requests)))]
+    requests = evenly(requests, args.limit)
     engine = Engine(cfg)
     try:
         result = bench(engine, requests, methods)

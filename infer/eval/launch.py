@@ -28,7 +28,7 @@ from infer.rounds.options import request_options
 from schemafill import atomic
 from schemafill.config import InferConfig, to_dict
 from schemafill.contract.prompt import model_prompt_ids
-from schemafill.contract.records import read_requests
+from schemafill.contract.records import evenly, read_requests
 from schemafill.contract.toolcall import ToolRequest
 from schemafill.runtime.device import resolve_device
 from schemafill.runtime.loading import load_launch_target
@@ -123,7 +123,7 @@ def run(cfg: InferConfig) -> dict:
         if cfg.sample == "first":
             requests = requests[: cfg.limit]
         else:  # evenly spaced: evaluation files are grouped by category
-            requests = [requests[i * len(requests) // cfg.limit] for i in range(cfg.limit)]
+            requests = evenly(requests, cfg.limit)
     kept: list[ToolRequest] = []
     for r in requests:
         n = len(model_prompt_ids(r, cfg.model, tokenizer))

@@ -35,7 +35,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Generator, Protocol, TypeVar
+from typing import Generator, Protocol, TypeVar
 
 import torch
 
@@ -124,16 +124,13 @@ class HeadStep:
         its rows' share of its time."""
         started = time.perf_counter()
         head = steps[0].head
-        dtype = head.fc.weight.dtype
         fused = [st for st in steps if st.fuse]
-        if fused:
-            hidden = head.fc(torch.cat([st.part.hidden for st in fused]).to(dtype))  # [ΣT, H]
-            sizes = [len(st.part.hidden) for st in fused]
-            for st, h in zip(fused, hidden.split(sizes)):
-                st.part = replace(st.part, hidden=h)
-                st.fuse = False
-        outs = head.decode_packed([st.part for st in steps])
+        hidden = iter(head.fc(torch.cat([st.part.hidden for st in fused]).to(head.fc.weight.dtype))
+                      .split([st.rows for st in fused]) if fused else [])  # [T_i, H] each
+        outs = head.decode_packed([replace(st.part, hidden=next(hidden)) if st.fuse else st.part for st in steps])
         rows = [out[st.logits_at] for st, out in zip(steps, outs) if st.logits_at]
+        # one LM head call for every step's rows; a lone step's rows as they are, so that
+        # drafting alone runs exactly the operations it always has
         logits = iter(head.logits(torch.cat(rows)).split([len(r) for r in rows]) if len(rows) > 1
                       else [head.logits(r) for r in rows])
         ms = 1e3 * (time.perf_counter() - started) / sum(st.rows for st in steps)
@@ -204,7 +201,7 @@ class HeadDrafter:
         self.forwards, self.ms = 0, 0.0
 
     # ---- drafting as steps: each head forward is yielded (``HeadStep``) so that a batch's
-    # requests run theirs together (``HeadRunner``); the plain methods run them alone
+    # requests run theirs together (``HeadStep.run_together``); outside a batch, ``alone``
     def entry_steps(self, tokens: list[int], aux: list[torch.Tensor], positions: list[int], slots: list[int],
                     visible: list[list[int]], want: list[int]) -> Steps[list[int]]:
         """Head KV for contexts other than MAIN's (SIDE branches), in one forward: entry i is
@@ -222,10 +219,6 @@ class HeadDrafter:
         drafts = [self.draft_to_target[d] for d in res.logits.argmax(-1).tolist()]
         self._count(1, clock.ms())
         return drafts
-
-    def entries_top1(self, *entries: Any) -> list[int]:
-        """``entry_steps`` alone."""
-        return alone(self.entry_steps(*entries))
 
     # ---- as a round loop's proposer (``rounds/loop.Proposer``): the tree after MAIN's committed text
     def start(self, s: MainSession) -> None:

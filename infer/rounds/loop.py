@@ -129,14 +129,10 @@ class Drafting:
 class Step(Protocol):
     """A forward of a drafter model that one request's drafting asks for mid-round. A batch
     runs the steps of equal ``key`` (the same model) as one forward: ``run_together`` returns
-    each step's result, in order. Each request is charged the forward's time in proportion to
-    its ``rows``."""
+    each step's result, in order, each with ``ms``: its request's share of the forward."""
 
     @property
     def key(self) -> Hashable: ...
-
-    @property
-    def rows(self) -> int: ...
 
     @staticmethod
     def run_together(steps: list[Any]) -> list[Any]: ...
@@ -351,8 +347,7 @@ class Batch:
     def _time_prompts(self, calls: list[tuple[Stream, Call]], host_ms: float, forward_ms: float, rows: int) -> None:
         """What a prompt row costs in a forward (a running mean over forwards of many rows,
         where the fixed part is small) and how long the latest round took besides its prompt rows."""
-        prompt = sum(c.rows if c.kind == "chunk" else c.rows - c.priced_rows if c.kind == "prefill" else 0
-                     for _, c in calls)
+        prompt = sum(c.kv_rows for _, c in calls if c.kind != "verify")
         if rows >= BIG_FORWARD:
             per_row = forward_ms / rows
             self.row_ms = per_row if not self.row_ms else (1 - ROW_EMA) * self.row_ms + ROW_EMA * per_row
@@ -394,19 +389,15 @@ class Batch:
                 groups.setdefault(item[2].key, []).append(item)
             asking.clear()
             for group in groups.values():
-                start = time.perf_counter()
                 try:
                     results = group[0][2].run_together([step for _, _, step in group])
                 except Exception as e:  # noqa: BLE001 - the drafter's forward failed: each request it served
                     for st, _, _ in group:
                         st.error = e
                     continue
-                seconds = time.perf_counter() - start
-                rows = sum(step.rows for _, _, step in group)
-                for (st, steps, step), result in zip(group, results):
-                    share = seconds * step.rows / rows
-                    st.phases.charge("drafting", share)
-                    st.draft_ms += 1e3 * share
+                for (st, steps, _), result in zip(group, results):
+                    st.phases.charge("drafting", result.ms / 1e3)
+                    st.draft_ms += result.ms
                     advance(st, steps, result)
 
     @staticmethod

@@ -61,7 +61,6 @@ class PrefixCache:
         self.kept: list[Prefix] = []
         self.clock = 0
         self.reused_tokens = 0  # prompt tokens copied instead of prefilled, over every request
-        self.prompt_tokens = 0  # prompt tokens of every request that asked
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +70,6 @@ class PrefixCache:
         """The kept prefix sharing the most leading tokens with ``prompt`` and how many it may
         give: all of them but the prompt's last, which the prefill computes for its logits.
         None when none shares ``MIN_SHARED`` tokens."""
-        self.prompt_tokens += len(prompt)
         best, n = None, 0
         for p in self.kept:
             m = min(shared_length(p.tokens, prompt), len(prompt) - 1)
@@ -94,8 +92,7 @@ class PrefixCache:
                 p.used = self.clock
                 return
         n = len(tokens)
-        entry = Prefix(tokens, [k[0, :, :n].clone() for k in arena.k], [v[0, :, :n].clone() for v in arena.v],
-                       aux[:n].clone(), self.clock)
+        entry = Prefix(tokens, *arena.prefix(n), aux[:n].clone(), self.clock)
         if entry.nbytes > self.budget:
             return
         # a kept prompt this one extends holds nothing the new entry does not
@@ -103,7 +100,3 @@ class PrefixCache:
         self.kept.append(entry)
         while self.nbytes > self.budget:
             self.kept.remove(min(self.kept, key=lambda p: p.used))
-
-    def report(self) -> dict:
-        return {"kept": len(self.kept), "bytes": self.nbytes, "budget_bytes": self.budget,
-                "reused_tokens": self.reused_tokens, "prompt_tokens": self.prompt_tokens}

@@ -124,8 +124,7 @@ class MainSession:
         if self.n_kv or not 0 < n < len(self.prompt):
             raise ValueError(f"a reused prefix must come before any prefill and leave the prompt's last token "
                              f"(n={n}, prompt {len(self.prompt)}, {self.n_kv} prefilled)")
-        for mine, theirs in zip(self.arena.k + self.arena.v, k + v):
-            mine[0, :, :n] = theirs[:, :n]
+        self.arena.load_prefix(k, v, n)
         self._prompt_aux.append(aux[:n])
         self.n_kv = n
 

@@ -95,16 +95,22 @@ def read_requests(path: str | os.PathLike, log: RejectLog | None = None) -> tupl
     return out, log
 
 
-def spread(items: list, n: int) -> list:
-    """``n`` of ``items`` (all, when fewer), evenly spread over them and ordered so that every
-    prefix is spread too (bit-reversed order): a bench level that takes the first m of them
-    takes a spread sample."""
+def evenly(items: list, n: int) -> list:
+    """``n`` of ``items`` (all, when fewer), evenly spaced over them, in their order: request
+    files are grouped by category, so the first n would be one category."""
     n = min(n, len(items))
-    if n == 0:
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+def spread(items: list, n: int) -> list:
+    """``evenly``'s choice reordered so that every prefix is spread too (bit-reversed order): a
+    bench level that takes the first m of them takes a spread sample."""
+    chosen = evenly(items, n)
+    if not chosen:
         return []
-    bits = max(1, (n - 1).bit_length())
-    order = [i for i in sorted(range(1 << bits), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2)) if i < n]
-    return [items[i * len(items) // n] for i in order]
+    bits = max(1, (len(chosen) - 1).bit_length())
+    order = sorted(range(1 << bits), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
+    return [chosen[i] for i in order if i < len(chosen)]
 
 
 def write_requests(path: str | os.PathLike, requests: list[ToolRequest]) -> None:

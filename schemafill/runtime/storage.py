@@ -72,6 +72,15 @@ class KVArena:
         self.k[layer][r[:, None], :, slots] = k.transpose(1, 2)
         self.v[layer][r[:, None], :, slots] = v.transpose(1, 2)
 
+    def prefix(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A copy of row 0's first ``n`` slots: per layer keys and values [kv_heads, n, head_dim]."""
+        return [k[0, :, :n].clone() for k in self.k], [v[0, :, :n].clone() for v in self.v]
+
+    def load_prefix(self, k: list[torch.Tensor], v: list[torch.Tensor], n: int) -> None:
+        """Row 0's first ``n`` slots take the first ``n`` of ``prefix``'s copies."""
+        for mine, theirs in zip(self.k + self.v, k + v):
+            mine[0, :, :n] = theirs[:, :n]
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Row ``dst`` takes row ``src``'s first ``n`` slots (a shared prompt prefix)."""
         for k, v in zip(self.k, self.v):

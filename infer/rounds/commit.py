@@ -34,14 +34,18 @@ class Commit:
         return len(self.tokens)
 
 
-def commit(tree_tokens: list[int], parents: list[int], choices: list[int], push: Callable[[list[int]], int],
-           allowed: torch.Tensor | None = None) -> Commit:
+def commit(tree_tokens: list[int], parents: list[int], choices: list[int], push: Callable[..., int],
+           allowed: torch.Tensor | None = None, score: Callable[[list[int], list[int]], list] | None = None
+           ) -> Commit:
     """``choices``: the target's token at the root and at each node (1 + m of them);
     ``push``: appends tokens to the response and returns how many it took; ``allowed``:
-    [1 + m, V] the grammar's tokens at the root and each node, or None."""
+    [1 + m, V] the grammar's tokens at the root and each node, or None; ``score``: given the
+    rows (0 the root, 1 + i node i) each proposed token was chosen at and the tokens, their
+    logprobs, which ``push`` is given beside them."""
     accepted, correction = greedy_accept(tree_tokens, parents, choices)
     proposed = [tree_tokens[i] for i in accepted] + [correction]
-    taken = push(proposed)
+    rows = [0] + [1 + i for i in accepted]
+    taken = push(proposed) if score is None else push(proposed, score(rows, proposed))
     forced = 0
     if allowed is not None:
         on_path = allowed[[0] + [1 + i for i in accepted]][:taken]  # [taken, V]

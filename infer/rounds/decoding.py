@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 from infer.rounds.constraint import Constraint
 from infer.rounds.sampling import Sampler
 from schemafill.contract.response_format import JSON, ResponseFormat
-from schemafill.contract.stopping import ResponseStop
+from schemafill.contract.stopping import Logprob, ResponseStop
 from schemafill.contract.toolcall import ToolRequest
 from schemafill.runtime.model import Target
 
@@ -38,9 +38,11 @@ class DecodeOptions:
     sampler: Sampler | None = None  # None or temperature 0: greedy
     constraint: Constraint | None = None  # the response grammar (decode.constrain), or None
     max_new_tokens: int | None = None  # this request's length cap (None: the launch's decode.max_new_tokens)
-    # told the committed response ids after every round (the server streams from it; an
-    # exception it raises ends the decode, as a client that went away does)
-    on_commit: Callable[[list[int]], None] | None = None
+    # told the committed response ids (and their logprobs, when asked) after every round (the
+    # server streams from it; an exception it raises ends the decode, as a client that went away does)
+    on_commit: Callable[[list[int], list[Logprob] | None], None] | None = None
+    stops: tuple[str, ...] = ()  # stop sequences: the response ends at the token completing one
+    logprobs: int | None = None  # keep each token's logprob and this many top alternatives' (None: none)
 
     def cap(self, default: int) -> int:
         return self.max_new_tokens if self.max_new_tokens is not None else default
@@ -48,14 +50,15 @@ class DecodeOptions:
     def response_stop(self, tokenizer: Any, eos: frozenset[int], default_cap: int,
                       fmt: ResponseFormat = JSON) -> ResponseStop:
         """The stopping rule of this request in ``fmt``: its cap (or the decoder's), telling ``on_commit``."""
-        return ResponseStop(tokenizer, eos, self.cap(default_cap), self.on_commit, fmt)
+        return ResponseStop(tokenizer, eos, self.cap(default_cap), self.on_commit, fmt, self.stops,
+                            self.logprobs is not None)
 
 
 @dataclass
 class Decoded:
     ids: list[int]  # response tokens
     text: str
-    stop: str  # closed | eos | length
+    stop: str  # closed | eos | stop | length
     target_calls: int  # prefill counts as one
     nodes: list[int] = field(default_factory=list)  # draft nodes per verification
     init_nodes: int = 0  # tree nodes verified with the prompt (SchemaFill's initialisation)
@@ -69,6 +72,7 @@ class Decoded:
     call_ms: list[float] = field(default_factory=list)
     head_forwards: int = 0
     head_ms: float = 0.0
+    logprobs: list[Logprob] | None = None  # per response token, when the request asked (``DecodeOptions.logprobs``)
 
 
 class Decoder(Protocol):

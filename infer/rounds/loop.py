@@ -189,7 +189,7 @@ class Stream:
         self.phases.add(*drafting.phases)
         self.s = MainSession(rt.target, prompt, options.response_stop(rt.tokenizer, rt.eos, rt.max_new_tokens, rt.fmt),
                              scratch=drafting.scratch, side_capacity=drafting.side_capacity, sampler=options.sampler,
-                             constraint=options.constraint)
+                             constraint=options.constraint, top_logprobs=options.logprobs or 0)
         with self.phases("other"):
             drafting.start(self.s, self.phases)
         self.prefilled = False

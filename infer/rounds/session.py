@@ -26,11 +26,23 @@ from infer.rounds.commit import commit
 from infer.rounds.constraint import Constraint
 from infer.rounds.decoding import Decoded
 from infer.rounds.forward import run_alone
-from infer.rounds.sampling import Sampler
+from infer.rounds.sampling import History, Sampler, tree_paths
 from infer.rounds.tree import depths, prune
 from infer.rounds.verify import chain_and_tree, choose, with_segments
-from schemafill.contract.stopping import ResponseStop
+from schemafill.contract.stopping import Logprob, ResponseStop
 from schemafill.runtime.model import Target
+
+
+def logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[Logprob]:
+    """Each token's log-probability under the target's own distribution at its row of
+    ``logits`` [R, V] (the raw logits: before penalties, temperature and the grammar, as
+    vLLM reports by default), with the ``top`` most likely tokens'."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(c, []) for c in chosen]
+    best = lp.topk(top, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, best.indices.tolist(), best.values.tolist())]
 
 
 @dataclass
@@ -78,6 +90,7 @@ class MainSession:
     scratch: int = 64  # most MAIN tree nodes one verification may carry
     side_capacity: int = 0  # arena rows for SIDE branches
     sampler: Sampler | None = None  # how MAIN picks its token at each node (None: greedy)
+    top_logprobs: int = 0  # alternatives kept beside each token's logprob (when ``stop`` keeps logprobs)
     constraint: Constraint | None = None  # the response grammar MAIN's choices obey, or that only prunes drafts
     tokens: list[int] = field(default_factory=list)  # prompt + committed response (last one pending)
     n_kv: int = 0  # slots holding committed KV
@@ -115,7 +128,7 @@ class MainSession:
         c = self.counts
         return Decoded(ids=self.response, text=self.stop.text, stop=self.stop.reason, target_calls=c.target_calls,
                        nodes=c.nodes, kv_rows=c.peak_rows, forced=c.forced, pruned=c.pruned, call_rows=c.call_rows,
-                       call_ms=c.call_ms, **extra)
+                       call_ms=c.call_ms, logprobs=self.stop.logprobs, **extra)
 
     def reuse(self, k: list[torch.Tensor], v: list[torch.Tensor], aux: torch.Tensor, n: int) -> None:
         """Start from the first ``n`` prompt tokens' KV (per layer [kv_heads, ≥n, head_dim]) and
@@ -189,8 +202,9 @@ class MainSession:
 
     def _force(self) -> None:
         """Commit the tokens the grammar allows alone, with no target decision: every decoder
-        would choose them, so they only cost a row in the next call (as pending tokens)."""
-        while self.constraint is not None and not self.done:
+        would choose them, so they only cost a row in the next call (as pending tokens). Not
+        where the client asked for logprobs: a token the target is not asked about has none."""
+        while self.constraint is not None and not self.done and self.stop.logprobs is None:
             t = self.constraint.forced()
             if t is None or not self.stop.push([t]):
                 return
@@ -238,15 +252,18 @@ class MainSession:
         # the root and MAIN's tree [1 + m, V]: each node chooses among what the grammar allows
         # after its path, greedily or by an independent draw (exact speculative sampling)
         main_n = main_rows - first
-        if call.allowed is None and (self.sampler is None or self.sampler.greedy):
+        if call.allowed is None and (self.sampler is None or self.sampler.plain):
             picked = logits.argmax(-1).tolist()  # MAIN's and SIDE's tokens in one read-back (a GPU waits for each)
             main_choice, side_choice = picked[:main_n], picked[main_n:]
         else:
-            main_choice = choose(logits[:main_n], call.allowed, self.sampler)
+            history = History(self.prompt, self.response, tree_paths(tree_tokens, parents)) \
+                if self.sampler is not None and self.sampler.params.reads_history else None
+            main_choice = choose(logits[:main_n], call.allowed, self.sampler, history)
             side_choice = logits[main_n:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
         self.counts.call_rows.append(rows)
         self.counts.call_ms.append(round(out.ms, 3))
-        done = commit(tree_tokens, parents, main_choice, self.stop.push, call.allowed)
+        score = None if self.stop.logprobs is None else (lambda rows, toks: logprobs(logits[rows], toks, self.top_logprobs))
+        done = commit(tree_tokens, parents, main_choice, self.stop.push, call.allowed, score)
         accepted = done.accepted
         base = call.root_slot + 1  # committed MAIN continues right after the root
         self.arena.move(0, [call.slots[first_tree + i] for i in accepted], [base + j for j in range(len(accepted))])

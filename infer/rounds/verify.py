@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.rounds.sampling import Sampler
+from infer.rounds.sampling import History, Sampler
 from infer.rounds.tree import ancestor_mask
 
 
@@ -47,11 +47,15 @@ def with_segments(visible: torch.Tensor, segments: list) -> torch.Tensor:
     return mask
 
 
-def choose(logits: torch.Tensor, allowed: torch.Tensor | None, sampler: Sampler | None) -> list[int]:
+def choose(logits: torch.Tensor, allowed: torch.Tensor | None, sampler: Sampler | None,
+           history: History | None = None) -> list[int]:
     """The target's token at each MAIN node: among what the grammar ``allowed`` there
-    ([N, V] booleans, or None), greedy or an independent draw (``sampler``). ``logits`` [N, V]."""
+    ([N, V] booleans, or None), greedy or an independent draw (``sampler``), after the
+    sampler's bias and the penalties of each node's ``history``. ``logits`` [N, V]."""
+    if sampler is not None:
+        logits = sampler.adjust(logits, history)
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if sampler is None or sampler.greedy:
         return logits.argmax(-1).tolist()
-    return sampler.choose(logits)
+    return sampler.draw(logits)

@@ -32,7 +32,7 @@ class Cancelled(Exception):
 
 
 def cancel_after(n: int):
-    def on_commit(ids: list[int]) -> None:
+    def on_commit(ids: list[int], logprobs=None) -> None:
         if len(ids) >= n:
             raise Cancelled()
     return on_commit

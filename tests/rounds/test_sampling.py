@@ -17,7 +17,7 @@ from infer.pricing.cost_model import CostModel
 from infer.proposers.head import HeadDrafter, TreeBudget
 from infer.rounds.constraint import Constraint
 from infer.rounds.decoding import DecodeOptions, Runtime
-from infer.rounds.sampling import Sampler
+from infer.rounds.sampling import History, Sampler, tree_paths
 from infer.rounds.tree import ROOT
 from infer.slots.policy import SchemaFillConfig
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
@@ -44,6 +44,30 @@ def test_sampler_literal_cases():
     assert abs(draws[0] / 4000 - 0.7) < 0.03 and abs(draws[2] / 4000 - 0.1) < 0.02
     with pytest.raises(ValueError):
         Sampler(temperature=-1.0)
+
+
+def test_bias_and_penalties_literal_cases():
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]] * 3)
+    history = History(prompt=[3], response=[1, 1], paths=[[], [2], [2, 1]])
+    assert tree_paths([2, 1, 0], [ROOT, 0, ROOT]) == [[], [2], [2, 1], [0]]
+    out = Sampler(frequency_penalty=0.5, presence_penalty=0.25).adjust(logits, history)
+    # token 1 seen twice in the response (three times on row 2's path), token 2 once on rows 1 and 2
+    assert torch.allclose(out, torch.tensor([[1.0, 0.75, -1.0, 0.5], [1.0, 0.75, -1.75, 0.5],
+                                             [1.0, 0.25, -1.75, 0.5]]))
+    out = Sampler(repetition_penalty=2.0).adjust(logits, history)
+    # positive logits halved, negative doubled, for tokens of the prompt or the row's response
+    assert torch.allclose(out, torch.tensor([[1.0, 1.0, -1.0, 0.25], [1.0, 1.0, -2.0, 0.25],
+                                             [1.0, 1.0, -2.0, 0.25]]))
+    biased = Sampler(logit_bias=((0, -5.0), (3, 2.0)))
+    assert biased.choose(logits) == [3, 3, 3] and not Sampler().params.shapes_logits and biased.params.shapes_logits
+    with pytest.raises(ValueError, match="history"):
+        Sampler(presence_penalty=1.0).adjust(logits)  # a penalty without the tokens before each row
+    p = Sampler(1.0, top_k=2).probs(torch.log(torch.tensor([[0.5, 0.3, 0.2]])))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0]]))
+    p = Sampler(1.0, min_p=0.5).probs(torch.log(torch.tensor([[0.5, 0.3, 0.2]])))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0]]))  # 0.2 < 0.5 * 0.5
+    with pytest.raises(ValueError, match="min_p"):
+        Sampler(1.0, min_p=1.5)
 
 
 class TinyTokenizer:
@@ -82,7 +106,7 @@ class Peek:
 class SharedDraw(Sampler):
     """Wrong on purpose: one uniform draw reused at every node of a verification."""
 
-    def choose(self, logits):
+    def draw(self, logits):
         p = self.probs(logits).cpu()
         u = torch.rand((), generator=self.generator)
         return [min(int((row.cumsum(0) < u).sum()), row.numel() - 1) for row in p]
@@ -196,3 +220,81 @@ def test_constrained_speculative_sampling_has_constrained_ars_distribution():
         assert same_distribution(ar, got) > 1e-3, name
     free = outputs(lambda s: decode_ar(target, tok, prompt, max_new, eos, s), run=8)
     assert same_distribution(ar, free) < 1e-6  # the constraint really reshapes the distribution
+
+
+PENALTIES = dict(top_k=6, min_p=0.02, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
+                 logit_bias=((3, 1.0), (5, -1.0)))
+
+
+class PathBlind(Sampler):
+    """Wrong on purpose: penalties counted over the committed response only, blind to the
+    drafted path above each node (the speculative engines' old bug)."""
+
+    def adjust(self, logits, history=None):
+        if history is not None:
+            history = History(history.prompt, history.response, [[] for _ in history.paths])
+        return super().adjust(logits, history)
+
+
+def penalised(cls=Sampler, temperature=1.0):
+    return lambda seed: cls(temperature, seed=seed, **PENALTIES)
+
+
+def all_methods(target, tok, eos, prompt, max_new, model):
+    """Every method's decode(sampler) on the tiny target: the test drafter, EAGLE-3, SchemaFill,
+    and the training-free peers (fresh requests, so the learning ones learn from each)."""
+    rt = Runtime(target, tok, eos, max_new)
+    head = HeadDrafter(random_head(target, seed=2), TreeBudget(topk=3, depth=2, total=8))
+    sf = slot_parallel.declare(rt, random_head(target, seed=2), SchemaFillConfig(budget=TreeBudget(topk=3, depth=2,
+                                                                                                  total=8)))
+    count = itertools.count()
+    fresh = lambda: dataclasses.replace(request("bm25"), id=f"sample{next(count)}")  # noqa: E731
+    peers = {"ngram": ngram.declare(rt, NgramConfig(num_speculative_tokens=2)),
+             "suffix": suffix.declare(rt, SuffixConfig(min_token_prob=0.0)),
+             "toolspec": toolspec.declare(rt, ToolSpecConfig(ngram_min=1))}
+    return {"peek": lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s),
+            "eagle3": lambda s: decode_tree(target, tok, prompt, max_new, eos, head, scratch=8, sampler=s),
+            "schemafill": lambda s: sf.decode(request("bm25"), prompt, DecodeOptions(sampler=s)),
+            **{name: (lambda s, d=d: d.decode(fresh(), prompt, DecodeOptions(sampler=s))) for name, d in peers.items()}}
+
+
+def peaked_target(scale: float):
+    model = hf_model("llama", seed=11, vocab_size=V, num_hidden_layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    target = from_hf_model(model, aux_layer_ids=[0, 1, 1])
+    target.hf_config = model.config
+    return model, target
+
+
+def test_greedy_with_bias_and_penalties_equals_ar_for_every_method():
+    model, target = peaked_target(12.0)
+    tok, eos, prompt, max_new = TinyTokenizer(), frozenset({EOS}), [3, 7, 1, 5], 8
+    no_eos = ((EOS, -100.0),)  # long answers, where repeats are penalised
+
+    def greedy(seed):
+        return Sampler(0.0, seed=seed, **dict(PENALTIES, logit_bias=no_eos + PENALTIES["logit_bias"]))
+
+    ar = decode_ar(target, tok, prompt, max_new, eos, greedy(0)).ids
+    assert len(ar) == max_new and ar != decode_ar(target, tok, prompt, max_new, eos, Sampler(logit_bias=no_eos)).ids
+    for name, decode in all_methods(target, tok, eos, prompt, max_new, model).items():
+        assert decode(greedy(0)).ids == ar, name
+
+
+@pytest.mark.slow
+def test_every_sampling_parameter_keeps_ars_distribution():
+    """top_k, min_p, the three penalties and logit_bias at once: every method's complete outputs
+    are distributed as AR's with the same parameters; penalties blind to the drafted path are not."""
+    model, target = peaked_target(6.0)
+    tok, eos, prompt, max_new = TinyTokenizer(), frozenset({EOS}), [3, 7, 1, 5], 3
+
+    def outputs_of(decode, run, make=penalised()):
+        return Counter(tuple(decode(make(run * N + i)).ids) for i in range(N))
+
+    ar = outputs_of(lambda s: decode_ar(target, tok, prompt, max_new, eos, s), 20)
+    assert 10 < len(ar) < N / 3
+    for i, (name, decode) in enumerate(all_methods(target, tok, eos, prompt, max_new, model).items()):
+        assert same_distribution(ar, outputs_of(decode, 21 + i)) > 1e-3, name
+    blind = outputs_of(lambda s: decode_tree(target, tok, prompt, max_new, eos, Peek(model), scratch=8, sampler=s),
+                       30, penalised(PathBlind))
+    assert same_distribution(ar, blind) < 1e-6  # the test can tell penalties that skip the drafted path

@@ -4,7 +4,7 @@ and what it keeps across requests. Every method decodes through the one round lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from infer.pricing.budget import NodeBudget
@@ -23,12 +23,18 @@ class Method:
     def decode(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions(),
                **hints: Any) -> Decoded:
         """``hints`` reach the method's policy (SchemaFill's given forecast and values)."""
-        return loop.decode(self.rt, prompt, options, self.drafting(request, prompt, **hints))
+        return loop.decode(self.runtime(request), prompt, options, self.drafting(request, prompt, **hints))
 
     def stream(self, request: ToolRequest, prompt: list[int], options: DecodeOptions = DecodeOptions(),
                **hints: Any) -> loop.Stream:
         """The request as one member of a ``loop.Batch`` (its KV arena is allocated now)."""
-        return loop.Stream(self.rt, prompt, options, self.drafting(request, prompt, **hints))
+        return loop.Stream(self.runtime(request), prompt, options, self.drafting(request, prompt, **hints))
+
+    def runtime(self, request: ToolRequest) -> Runtime:
+        """The launch's runtime, writing this request's answer in its own format (a structured
+        output's object, ``ToolRequest.response_format``)."""
+        fmt = request.response_format(self.rt.fmt)
+        return self.rt if fmt is self.rt.fmt else replace(self.rt, fmt=fmt)
 
     def reset(self) -> None:
         """Forget what was learnt from earlier requests (a launch's measured pass starts here)."""

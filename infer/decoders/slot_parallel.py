@@ -23,7 +23,7 @@ def declare(rt: Runtime, head: Eagle3Head, cfg: SchemaFillConfig, budget: NodeBu
 
     def drafting(request, prompt, groups=None, values=None):
         return SlotDrafting(cfg, HeadDrafter(head, cfg.budget, budget, times), budget, ledger, request, prompt,
-                            rt.tokenizer, rt.eos, rt.fmt, groups, values)
+                            rt.tokenizer, rt.eos, request.response_format(rt.fmt), groups, values)
 
     return Method(rt, drafting, budget)
 

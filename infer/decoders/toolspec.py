@@ -14,7 +14,7 @@ from schemafill.config import ToolSpecConfig
 
 def declare(rt: Runtime, cfg: ToolSpecConfig, budget: NodeBudget | None = None) -> Method:
     memory = ToolSpecMemory(cfg, rt.target.config.vocab_size, rt.target.device)
-    return Method(rt, lambda request, prompt: ToolSpecDrafting(memory, request, rt.tokenizer, rt.fmt, budget),
+    return Method(rt, lambda request, prompt: ToolSpecDrafting(memory, request, rt.tokenizer, request.response_format(rt.fmt), budget),
                   budget, memory)
 
 

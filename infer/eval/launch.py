@@ -56,7 +56,8 @@ def _row(r: ToolRequest, k: int, repeat: int, ids: list[int], d, seconds: float,
     return {"id": r.id, "sample": k, "repeat": repeat, "text": d.text, "prompt_ids": ids, "output_ids": d.ids,
             "target_calls": d.target_calls, "seconds": round(seconds, 4), "stop": d.stop, "nodes": d.nodes,
             "init_nodes": d.init_nodes, "times": d.times, "kv_rows": d.kv_rows, "forced": d.forced,
-            "pruned": d.pruned, "valid": valid_response(d.text, r.functions, fmt=cfg.model.fmt),
+            "pruned": d.pruned,
+            "valid": valid_response(d.text, r.slot_functions, fmt=r.response_format(cfg.model.fmt)),
             "call_rows": d.call_rows, "call_ms": d.call_ms, "head_forwards": d.head_forwards, "head_ms": d.head_ms}
 
 
@@ -145,11 +146,11 @@ def run(cfg: InferConfig) -> dict:
     methods = decoders.build(cfg.methods, ctx)
     # compiled once per catalog, before any timing; Parallel Fill is not constrained
     grammars = (SchemaGrammars(tokenizer, target.config.vocab_size, cfg.model.fmt, eos)
-                if cfg.decode.constrain != "none" else None)
+                if cfg.decode.constrain != "none" or any(r.output for r in kept) else None)
     out = Path(cfg.out)
 
     def options(r: ToolRequest, seed: int) -> DecodeOptions:
-        return request_options(cfg.decode, lambda: grammars, r.functions, seed=seed)
+        return request_options(cfg.decode, lambda: grammars, r.functions, seed=seed, request=r)
 
     for method, decoder in methods.items():  # untimed; AR's warm-up outputs are Parallel Fill's skeletons
         for r in kept[: cfg.warmup]:

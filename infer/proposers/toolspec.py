@@ -65,8 +65,9 @@ class SchemaFSM:
     def __init__(self, request: ToolRequest, fmt: ResponseFormat = JSON) -> None:
         self.fmt = fmt
         self.tools = {fn["name"]: list((fn.get("parameters") or {}).get("properties") or {})
-                      for fn in request.functions}
-        self.tool: str | None = None  # detected once the response ends with a tool's name
+                      for fn in request.slot_functions}
+        # detected once the response ends with a tool's name (a structured output's is known)
+        self.tool: str | None = fmt.bare
         # name-last formats, until a tool is detected: the tools whose schema holds every key
         # the current call has written (name-first formats: never any)
         self.fits: list[str] = []

@@ -55,7 +55,10 @@ def call_schemas(functions: list[dict], fmt: ResponseFormat = JSON) -> list[dict
 def response_schema(functions: list[dict], min_calls: int = 0, fmt: ResponseFormat = JSON) -> dict:
     """The JSON Schema of a response that calls tools of ``functions`` (as the json format's
     object; other formats' calls are read into one): any number of calls, at least
-    ``min_calls`` (1 for a server's ``tool_choice: required``)."""
+    ``min_calls`` (1 for a server's ``tool_choice: required``). A structured output's
+    (``fmt.bare``) is its one function's parameters: the object itself."""
+    if fmt.bare is not None:
+        return schemas.for_engine(functions[0].get("parameters") or {"type": "object"})
     calls_list = {"type": "array", "items": {"anyOf": call_schemas(functions, fmt)},
                   **({"minItems": min_calls} if min_calls else {})}
     return {"type": "object", "properties": {KEY: calls_list}, "required": [KEY], "additionalProperties": False}
@@ -108,7 +111,9 @@ def valid_response(text: str, functions: list[dict], min_calls: int = 0, fmt: Re
     import jsonschema
 
     try:
-        if fmt.in_words:  # the format's calls, validated as the json format's list would be
+        if fmt.bare is not None:
+            obj = json.loads(text)
+        elif fmt.in_words:  # the format's calls, validated as the json format's list would be
             calls = fmt.parse(text.strip())
             if calls is None:
                 return False
@@ -165,31 +170,38 @@ class SchemaGrammars:
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
     def constraint(self, functions: list[dict], enforce: bool = True, min_calls: int = 0,
-                   close_at: int | None = None) -> "Constraint":
+                   close_at: int | None = None, fmt: ResponseFormat | None = None) -> "Constraint":
         """The request's grammar state; ``enforce=False`` only prunes drafts (``Constraint``).
         ``close_at``: the response token from which a catalog whose longest call is 0 tokens
         would start closing (None: never); each catalog starts earlier by the tokens of its
-        longest minimal call (``minimal_value``), as a call begun just then must still end."""
-        schema = json.dumps(response_schema(functions, min_calls, self.fmt))  # keys in schema order: kept
-        if schema not in self.cache:
+        longest minimal call (``minimal_value``), as a call begun just then must still end.
+        ``fmt``: the request's format where it is not the launch's (a structured output, whose
+        one function's ``strict`` says whether fields its schema does not list may appear)."""
+        fmt = fmt or self.fmt
+        strict = functions[0].get("strict", True) if fmt.bare is not None else True
+        schema = json.dumps(response_schema(functions, min_calls, fmt))  # keys in schema order: kept
+        key = schema if strict else "loose:" + schema
+        if key not in self.cache:
             t = time.perf_counter()
-            if self.fmt.name == JSON.name:
-                self.cache[schema] = self.compiler.compile_json_schema(schema, any_whitespace=False,
-                                                                       separators=SEPARATORS)
+            if fmt.name == JSON.name or fmt.bare is not None:
+                self.cache[key] = self.compiler.compile_json_schema(schema, any_whitespace=False,
+                                                                    separators=SEPARATORS, strict_mode=strict)
             else:
-                self.cache[schema] = self.compiler.compile_structural_tag(
-                    format_grammar(self.xgr, self.tokenizer, functions, self.fmt, min_calls))
+                self.cache[key] = self.compiler.compile_structural_tag(
+                    format_grammar(self.xgr, self.tokenizer, functions, fmt, min_calls))
             self.compile_seconds.append(time.perf_counter() - t)
         base, close_at = close_at, None
         if base is not None and enforce:
             # a tagged format's closing text must fit too (json's one "]}" token never counted:
             # kept so, its constrained outputs stay as recorded)
-            tail = self.fmt.close if self.fmt.in_words else ""
-            calls = [dumps(self.fmt.call_object({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}))
+            tail = fmt.close if fmt.in_words else ""
+            calls = [fmt.serialize([{"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}])
+                     if fmt.bare is not None else
+                     dumps(fmt.call_object({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}))
                      + tail for fn in functions]
             longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
             close_at = max(base - longest, 0)
-        return Constraint(self.xgr, self.cache[schema], self.pieces, self.closers, close_at, enforce)
+        return Constraint(self.xgr, self.cache[key], self.pieces, self.closers, close_at, enforce)
 
 
 class Constraint:

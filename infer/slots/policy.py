@@ -175,7 +175,7 @@ class SlotDrafting(Drafting):
             cfg, drafter, ledger, tokenizer, eos, fmt
         self.request, self.prompt, self.groups, self.values = request, prompt, groups, values
         self.scratch, self.side_capacity = cfg.scratch, cfg.side_capacity
-        self.functions = {fn["name"]: fn for fn in request.functions}
+        self.functions = {fn["name"]: fn for fn in request.slot_functions}
         self.plans: list[CallPlan] = []
 
     # ---------------------------------------------------------------- the loop's steps
@@ -297,9 +297,11 @@ class SlotDrafting(Drafting):
         if not self.cfg.forecasts:
             return []
         groups = self.groups
-        if groups is None:
+        if self.request.output is not None:  # a structured output: its one object, its fields the slots
+            groups = [0]
+        elif groups is None:
             groups = forecast_groups(rank_tools(self.request), self.cfg.forecast_budget)
-        plans = [call_plan(self.request.functions[g]) for g in groups]
+        plans = [call_plan(self.request.slot_functions[g]) for g in groups]
         for (j, key), literal in (self.values or {}).items():
             if j < len(plans):
                 plans[j].values[key] = literal

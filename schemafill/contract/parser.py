@@ -96,6 +96,10 @@ class ToolCallParser:
         self._value_start: int | None = None
         self._value_type: str | None = None
         self._value_depth: int | None = None  # stack depth of the arguments frame owning the open value
+        if fmt.bare is not None:  # a structured output: the text is one call's arguments object
+            self._stack = [_Frame("obj", "value", key=KEY), _Frame("arr", "value", index=0),
+                           _Frame("obj", "value", key="arguments")]
+            self._calls = [_Call(start=0, name=fmt.bare)]
 
     # ------------------------------------------------------------------ feeding
     def feed(self, text: str) -> ParseState:
@@ -149,6 +153,9 @@ class ToolCallParser:
         if not self._stack:
             self._root_is_object = ch == "{"
             self._start_value(ch)
+            return
+        if self._fmt.bare is not None and len(self._stack) == 3 and ch != "{":
+            self._fail(f"a structured output is one object: expected '{{', got {ch!r}")
             return
         top = self._stack[-1]
         if top.kind == "obj":
@@ -336,6 +343,11 @@ class ToolCallParser:
             self._root_closed_object = self._root_is_object
             return
         self._stack[-1].state = "comma_or_end"
+        if self._fmt.bare is not None and len(self._stack) == 3:  # the object, and with it the response, closed
+            self._calls[-1].end = self._offset + 1
+            self._stack.clear()
+            self._root_done = self._root_closed_object = True
+            return
         if self._fmt.lead is not None and len(self._stack) == 1:  # the list closed, and with it the response
             self._stack.pop()
             self._root_done = self._root_closed_object = True

@@ -62,7 +62,18 @@ def render_catalog(request: ToolRequest) -> str:
     return "\n".join(json.dumps(fn, ensure_ascii=False, separators=(",", ":")) for fn in request.functions)
 
 
+def output_instructions(request: ToolRequest) -> str:
+    """What a structured output asks of the target: one object under its schema."""
+    out = request.output
+    schema = json.dumps(out["schema"], ensure_ascii=False, separators=(",", ":"))
+    about = f" ({out['description']})" if out.get("description") else ""
+    return (f"Reply with exactly one JSON object and nothing else: the {out['name']}{about}, "
+            f"following this JSON Schema:\n{schema}")
+
+
 def system_text(request: ToolRequest, fmt: ResponseFormat = JSON) -> str:
+    if request.output is not None:
+        return output_instructions(request)
     return f"{INSTRUCTIONS}\n{render_catalog(request)}\n\n{format_instructions(fmt)}"
 
 
@@ -110,6 +121,8 @@ def render_tools(request: ToolRequest, tokenizer: Any, template_kwargs: dict | N
     """The conversation through the target's own chat template with the catalog as ``tools=``;
     a ChatML tokenizer whose template has no tools gets ours (for the tagged formats' blocks)."""
     messages = [{"role": m["role"], "content": m["content"]} for m in request.messages]
+    if request.output is not None:  # the schema goes where the template's own system turn goes
+        messages = [{"role": "system", "content": output_instructions(request)}, *messages]
     kwargs = {"tokenize": False, "add_generation_prompt": True, **(template_kwargs or {})}
     if takes_tools(tokenizer):
         return tokenizer.apply_chat_template(messages, tools=request.tools, **kwargs)

@@ -12,6 +12,8 @@ Every format wraps the same call objects, ``{"name": "t", "arguments": {"k": v, 
 * ``mistral`` — what Mistral-7B-Instruct-v0.3 writes and vLLM's ``mistral`` parser reads:
   ``[TOOL_CALLS] [call, call]``, the lead marker (a control token of Mistral's vocabulary)
   before one JSON list; the list's closing bracket ends the response.
+* ``object`` — a structured output (``object_format``): one JSON object under a client's
+  schema, with nothing around it, read as the arguments of one call of that schema.
 
 A format is the header before the first call, the bridge between two calls, the closing
 after the last, and what follows from them: the serializer, the context a SIDE branch (and
@@ -64,6 +66,9 @@ class ResponseFormat:
     # list formats: the marker before the JSON list of calls (None: the json format's object)
     lead: str | None = None
     name_first: bool = True  # each call's "name" before its "arguments" (False: after them)
+    # a structured output (``object_format``): the response is one JSON object and nothing
+    # around it, read as the arguments of one call of the schema named here
+    bare: str | None = None
 
     @property
     def marker(self) -> str:
@@ -77,12 +82,16 @@ class ResponseFormat:
 
     def call_header(self, tool: str) -> str:
         """A call of ``tool`` up to its first argument's key (name-last formats: without it)."""
+        if self.bare is not None:
+            return "{"
         if self.name_first:
             return '{"name": ' + dumps(tool) + ', "arguments": {'
         return '{"arguments": {'
 
     def call_close(self, tool: str) -> str:
         """A call of ``tool`` from the end of its last argument's value to its closing brace."""
+        if self.bare is not None:
+            return "}"
         return CALL_CLOSE if self.name_first else '}, "name": ' + dumps(tool) + "}"
 
     def call_object(self, call: dict) -> dict:
@@ -92,6 +101,8 @@ class ResponseFormat:
 
     def serialize(self, calls: list[dict]) -> str:
         """The response text of ``calls`` (each ``{"name": ..., "arguments": {...}}``)."""
+        if self.bare is not None:
+            return dumps(calls[0]["arguments"]) if calls else self.empty
         if not calls and self.in_words:
             return self.empty
         return self.header + self.call_bridge.join(dumps(self.call_object(c)) for c in calls) + self.close
@@ -135,6 +146,12 @@ class ResponseFormat:
     def parse(self, text: str) -> list | None:
         """The call objects of a complete response (unvalidated), [] for a reply without calls
         in a tagged or lead format, or None when the text is not one well-formed response."""
+        if self.bare is not None:
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                return None
+            return [{"name": self.bare, "arguments": obj}] if isinstance(obj, dict) else None
         if self.lead is not None:
             text = text.strip(_WS)
             if not text.startswith(self.lead):
@@ -169,6 +186,13 @@ class ResponseFormat:
         written so far. So a stream of these views and the view of the finished response agree;
         reading stops quietly where the text stops being a response."""
         calls: list[CallSpan] = []
+        if self.bare is not None:  # the whole text is the one call's arguments
+            i = _skip_ws(text, 0)
+            if i < len(text):
+                end = _value_end(text, i)
+                calls.append(CallSpan(self.bare, text[i:end if end is not None else len(text)], end is not None,
+                                      end is not None))
+            return calls
         if self.open_tag is None:
             if self.lead is not None:  # the marker, then the list's "[" after any whitespace
                 i = _skip_ws(text, 0)
@@ -250,6 +274,24 @@ MISTRAL = ResponseFormat(
 )
 
 FORMATS = {f.name: f for f in (JSON, HERMES, HERMES3, MISTRAL)}
+
+OBJECT = ResponseFormat(
+    name="object",
+    header="",
+    call_bridge="",
+    close="",
+    self_closing=True,
+    empty="{}",
+    template='{"<field>": <JSON value>, ...}',
+    bare="",
+)
+
+
+def object_format(schema_name: str) -> ResponseFormat:
+    """The format of a structured output (a ``response_format`` JSON schema named
+    ``schema_name``): the response is the object itself, which SchemaFill's slot machinery
+    reads as the arguments of one call of that schema, its fields the slots."""
+    return replace(OBJECT, bare=schema_name)
 
 
 # ------------------------------------------------------------------------- reading calls back

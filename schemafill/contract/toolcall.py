@@ -1,7 +1,7 @@
 """The tool-call data contract every stage agrees on (docs/design.md, "Contracts").
 
 Owns ``ToolRequest`` (one OpenAI-style request: messages, tool catalog, optional
-reference calls), its validation and normalisation, and the canonical
+reference calls, and for a structured output the schema its answer follows), its validation and normalisation, and the canonical
 validation of a response ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, whose text
 ``response_format`` owns. Prompt rendering lives in ``prompt``; parsing a partial response
 in ``parser``.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemafill.contract import schemas
-from schemafill.contract.response_format import JSON, KEY, ResponseFormat
+from schemafill.contract.response_format import JSON, KEY, ResponseFormat, object_format
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -41,11 +41,31 @@ class ToolRequest:
     category: str = ""
     reference: list[ToolCall] | None = None  # known ground truth, first acceptable value
     meta: dict = field(default_factory=dict)
+    # a structured output: {"name": ..., "schema": {...}, "strict": bool}, the JSON Schema the
+    # answer (one object, not tool calls) follows; None for a tool-calling request
+    output: dict | None = None
 
     @property
     def functions(self) -> list[dict]:
         """The catalog as plain function schemas ({name, description, parameters})."""
         return [t["function"] for t in self.tools]
+
+    @property
+    def output_function(self) -> dict | None:
+        """A structured output's schema as the one function whose arguments the answer is."""
+        if self.output is None:
+            return None
+        return {"name": self.output["name"], "description": self.output.get("description", ""),
+                "parameters": self.output["schema"], "strict": self.output.get("strict", True)}
+
+    @property
+    def slot_functions(self) -> list[dict]:
+        """The functions whose arguments the answer may hold: the output schema's, or the catalog."""
+        return [self.output_function] if self.output is not None else self.functions
+
+    def response_format(self, fmt: ResponseFormat) -> ResponseFormat:
+        """How this request's answer is written, on a target that writes its calls in ``fmt``."""
+        return object_format(self.output["name"]) if self.output is not None else fmt
 
     @property
     def tool_names(self) -> list[str]:
@@ -66,6 +86,8 @@ class ToolRequest:
             out["reference"] = [c.to_dict() for c in self.reference]
         if self.meta:
             out["meta"] = self.meta
+        if self.output is not None:
+            out["output"] = self.output
         return out
 
     @classmethod
@@ -77,7 +99,8 @@ class ToolRequest:
         if not isinstance(rid, str) or not rid:
             raise InvalidRequest("missing or empty 'id'")
         messages = _validate_messages(record.get("messages"))
-        tools = _validate_tools(record.get("tools"))
+        output = _validate_output(record["output"]) if record.get("output") is not None else None
+        tools = _validate_tools(record.get("tools")) if output is None or record.get("tools") else []
         reference = record.get("reference")
         if reference is not None:
             reference = _validate_calls(reference, "reference")
@@ -92,6 +115,7 @@ class ToolRequest:
             category=str(record.get("category", "")),
             reference=reference,
             meta=meta,
+            output=output,
         )
 
 
@@ -146,6 +170,15 @@ def _validate_tools(tools: Any) -> list[dict]:
                          "parameters": params},
         })
     return out
+
+
+def _validate_output(output: Any) -> dict:
+    """A structured output's schema, checked as a tool's parameters are (an object schema)."""
+    if not isinstance(output, dict) or not isinstance(output.get("schema"), dict):
+        raise InvalidRequest("'output' must be {'name': ..., 'schema': {...}, 'strict': ...}")
+    name = output.get("name") or "response"
+    fn = _validate_tools([{"name": name, "parameters": output["schema"]}])[0]["function"]
+    return {"name": name, "schema": fn["parameters"], "strict": bool(output.get("strict", True))}
 
 
 def _validate_calls(calls: Any, what: str) -> list[ToolCall]:

@@ -1,6 +1,6 @@
 """The OpenAI chat-completions API over an ``Engine`` (``engine.py``): ``POST
-/v1/chat/completions`` (``messages``, ``tools``, ``tool_choice``, ``temperature``, ``top_p``,
-``seed``, ``max_tokens``, ``stream``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
+/v1/chat/completions`` (what ``protocol.py`` reads: messages, tools, structured outputs,
+sampling fields, stop, logprobs, stream), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
 (Prometheus). ``create_app`` builds it; ``BackgroundServer`` runs it on a thread of this process
 (tests and ``benchmarks/serve_bench.py``); ``infer/serve.py`` is the command line.
 """
@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from infer.serving.engine import Cancelled, Engine, Job
 from infer.serving.message import MessageStream, finish_reason, message
-from infer.serving.protocol import APIError, chunk, completion, parse_body, parse_chat_request, usage
+from infer.serving.protocol import (APIError, chunk, completion, logprobs_content, parse_body, parse_chat_request,
+                                    usage)
 
 T = TypeVar("T")
 
@@ -68,10 +69,15 @@ def create_app(engine: Engine) -> FastAPI:
             engine.metrics.requests.labels("", str(e.status)).inc()  # refused before a method was chosen
             raise
         created, call_id = int(time.time()), (lambda i: f"call_{cid[9:]}_{i}")
-        parse_calls = chat.tool_choice != "none"
+        parse_calls = chat.tool_choice != "none" and not chat.structured  # a structured answer is content
         if chat.stream:  # queued (or refused with 503) before the stream's 200 goes out
             loop, texts = asyncio.get_running_loop(), asyncio.Queue()
-            future = engine.submit(job, lambda ids: loop.call_soon_threadsafe(texts.put_nowait, engine.text(ids)))
+
+            def committed(ids: list[int], logprobs: list | None) -> None:
+                seen = (engine.text(ids, stops=chat.stops), list(ids), None if logprobs is None else list(logprobs))
+                loop.call_soon_threadsafe(texts.put_nowait, seen)
+
+            future = engine.submit(job, committed)
             future.add_done_callback(lambda _: loop.call_soon_threadsafe(texts.put_nowait, None))
             return StreamingResponse(_stream(engine, job, future, texts, cid, created, call_id, parse_calls),
                                      media_type="text/event-stream")
@@ -88,10 +94,12 @@ def create_app(engine: Engine) -> FastAPI:
         finally:
             watch.cancel()
         engine.metrics.requests.labels(chat.method, "200").inc()
-        text = engine.text(decoded.ids, final=True)
+        text = engine.text(decoded.ids, final=True, stops=chat.stops)
         msg = message(text, call_id, parse_calls, engine.fmt)
+        scores = None if decoded.logprobs is None else logprobs_content(engine.tokenizer, decoded.ids,
+                                                                          decoded.logprobs)
         return completion(cid, created, chat.model, msg, finish_reason(msg, decoded.stop, text, engine.fmt),
-                          usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method))
+                          usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method), scores)
 
     return app
 
@@ -110,16 +118,24 @@ async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue
     """Server-sent events in OpenAI's chunk format: the response after every round (``texts``,
     None once the decode ``future`` is done), as deltas."""
     chat, stream = job.chat, MessageStream(call_id, parse_calls, engine.fmt)
+    scored = 0  # committed tokens whose logprobs went out
 
-    def event(delta: dict, finish: str | None = None) -> str:
-        return _sse(chunk(cid, created, chat.model, delta, finish))
+    def event(delta: dict, finish: str | None = None, ids: list[int] = (), logprobs: list | None = None) -> str:
+        """A chunk; the logprobs of tokens committed since the last one that carried any ride on it."""
+        nonlocal scored
+        lp = None
+        if logprobs is not None and len(logprobs) > scored:
+            lp = logprobs_content(engine.tokenizer, ids[scored:len(logprobs)], logprobs[scored:])
+            scored = len(logprobs)
+        return _sse(chunk(cid, created, chat.model, delta, finish, logprobs=lp))
 
     status = "200"
     try:
         yield event({"role": "assistant"})
-        while (text := await texts.get()) is not None:
+        while (seen := await texts.get()) is not None:
+            text, ids, logprobs = seen
             for delta in stream.feed(text):
-                yield event(delta)
+                yield event(delta, ids=ids, logprobs=logprobs)
         try:
             decoded = future.result()
         except Cancelled:
@@ -130,11 +146,11 @@ async def _stream(engine: Engine, job: Job, future: Future, texts: asyncio.Queue
             yield _sse(APIError(500, f"decoding failed: {type(e).__name__}: {e}", kind="server_error").body())
             yield "data: [DONE]\n\n"
             return
-        text = engine.text(decoded.ids, final=True)
+        text = engine.text(decoded.ids, final=True, stops=chat.stops)
         for delta in stream.feed(text, final=True):
-            yield event(delta)
+            yield event(delta, ids=decoded.ids, logprobs=decoded.logprobs)
         msg = message(text, call_id, parse_calls, engine.fmt)
-        yield event({}, finish_reason(msg, decoded.stop, text, engine.fmt))
+        yield event({}, finish_reason(msg, decoded.stop, text, engine.fmt), decoded.ids, decoded.logprobs)
         if chat.include_usage:
             use = usage(len(job.prompt), len(decoded.ids), decoded.target_calls, chat.method)
             yield _sse(chunk(cid, created, chat.model, {}, use=use, choices=False))

@@ -31,9 +31,11 @@ from infer.rounds.decoding import Decoded, DecodeOptions
 from infer.rounds.loop import Batch, Stream
 from infer.rounds.options import request_options
 from infer.rounds.prefixes import PrefixCache
+from infer.rounds.sampling import SamplingParams
 from infer.serving.protocol import APIError, ChatRequest
 from schemafill.config import ServeConfig
 from schemafill.contract.prompt import model_prompt_ids
+from schemafill.contract.stopping import visible
 from schemafill.contract.toolcall import ToolRequest
 from schemafill.runtime.device import resolve_device
 from schemafill.runtime.loading import load_launch_target
@@ -52,7 +54,7 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     future: Future = field(default_factory=Future)
-    on_commit: Callable[[list[int]], None] | None = None
+    on_commit: Callable[[list[int], list | None], None] | None = None
 
 
 class ServeMetrics:
@@ -166,13 +168,26 @@ class Engine:
                                 f"the model's context of {self.cfg.model.max_context} tokens", "messages",
                            "context_length_exceeded")
         seed = chat.seed if chat.seed is not None else random.getrandbits(32)
-        try:  # a required call decodes under the allowed tools' grammar: lossless against constrained AR
+        vocab = self.target.config.vocab_size
+        outside = [t for t, _ in chat.penalties.get("logit_bias", ()) if t >= vocab]
+        if outside:
+            raise APIError(400, f"logit_bias names token ids {outside[:5]} outside the vocabulary of {vocab}",
+                           "logit_bias")
+        try:
+            SamplingParams(**chat.sampling)
+        except ValueError as e:  # fields each in range that contradict each other
+            raise APIError(400, str(e), "temperature") from None
+        # a required call decodes under the allowed tools' grammar, a structured output under its
+        # schema's: lossless against constrained AR
+        param = "response_format" if chat.structured else "tools"
+        try:
             options = request_options(d, lambda: self.grammars, chat.request.functions if chat.tool_choice == "auto"
-                                      else [], seed=seed, temperature=chat.temperature, top_p=chat.top_p,
-                                      max_tokens=cap, required=chat.grammar_functions if chat.constrained else None)
+                                      else [], seed=seed, sampling=chat.sampling, max_tokens=cap,
+                                      required=chat.grammar_functions if chat.constrained else None,
+                                      request=chat.request, stops=chat.stops, logprobs=chat.logprobs)
         except Exception as e:  # a schema the grammar engine cannot compile
-            raise APIError(400, f"the tools' parameter schemas do not make a response grammar: "
-                                f"{type(e).__name__}: {e}", "tools") from None
+            raise APIError(400, f"the {param} schemas do not make a response grammar: {type(e).__name__}: {e}",
+                           param) from None
         return Job(chat, prompt, options)
 
     # ---- the queue and the worker
@@ -192,7 +207,7 @@ class Engine:
         with self._cond:
             return len(self._jobs)
 
-    def submit(self, job: Job, on_commit: Callable[[list[int]], None] | None = None) -> Future:
+    def submit(self, job: Job, on_commit: Callable[[list[int], list | None], None] | None = None) -> Future:
         """Queue ``job`` for the batch; refuse it (503) when ``max_batch`` decode and
         ``queue_size`` wait already."""
         cfg = self.cfg
@@ -279,11 +294,11 @@ class Engine:
         job.started_at = time.perf_counter()
         self.metrics.queue_seconds.labels(job.chat.method).observe(job.started_at - job.queued_at)
 
-        def commit(ids: list[int]) -> None:
+        def commit(ids: list[int], logprobs: list | None) -> None:
             if job.cancel.is_set():
                 raise Cancelled()
             if job.on_commit is not None:
-                job.on_commit(ids)
+                job.on_commit(ids, logprobs)
 
         try:
             stream = self.decoders[job.chat.method].stream(job.chat.request, job.prompt,
@@ -315,12 +330,13 @@ class Engine:
         else:
             job.future.set_result(decoded)
 
-    def text(self, ids: list[int], final: bool = False) -> str:
+    def text(self, ids: list[int], final: bool = False, stops: tuple[str, ...] = ()) -> str:
         """The response text an answer is made of, the same for every prefix a stream sees and
         for the finished response: no clean-up of spaces (which revises earlier text when a
-        later token arrives), and, until ``final``, no multi-byte character still split."""
+        later token arrives), and, until ``final``, no multi-byte character still split and
+        no tail that may still become one of the ``stops`` (the text ends before a stop)."""
         text = self.fmt.decode(self.tokenizer, ids, clean_up_tokenization_spaces=False)
-        return text if final else text.rstrip("\ufffd")
+        return visible(text if final else text.rstrip("\ufffd"), stops, final)
 
     def close(self) -> None:
         with self._cond:

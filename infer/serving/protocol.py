@@ -1,18 +1,22 @@
 """The OpenAI chat-completions protocol: a request body read into what the decoder needs,
 every way it can be wrong named in an OpenAI-style error, and the answer objects.
 
-Only what a tool-calling agent sends is read; fields we do not use (``user``,
-``metadata``, ``frequency_penalty``, ``parallel_tool_calls`` ...) are ignored as
-OpenAI-compatible engines ignore them, and fields we cannot honour (``n`` > 1,
-``logprobs``, ``stop``, a ``response_format`` other than text) are refused by name rather
-than silently dropped. A null field is an absent one. Pure: standard library and ``schemafill`` only.
+Read: the conversation, tools and ``tool_choice``; ``response_format`` (``text``,
+``json_object``, ``json_schema`` strict or not: a structured output); every sampling field
+OpenAI has (``temperature``, ``top_p``, ``frequency_penalty``, ``presence_penalty``,
+``logit_bias``, ``seed``) and vLLM's (``top_k``, ``min_p``, ``repetition_penalty``);
+``stop``, ``logprobs`` / ``top_logprobs``, ``max_tokens``, ``stream``. Fields we do not use
+(``user``, ``metadata``, ``parallel_tool_calls`` ...) are ignored as OpenAI-compatible
+engines ignore them, and what we cannot honour (``n`` > 1, a structured output beside tools
+the model may call) is refused by name rather than silently dropped. A null field is an
+absent one. Pure: standard library and ``schemafill`` only.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemafill.contract.response_format import JSON, ResponseFormat
@@ -59,6 +63,20 @@ class ChatRequest:
     max_tokens: int | None  # None: the server's decode.max_new_tokens
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    # the rest of the sampling fields, as ``infer.rounds.sampling.SamplingParams`` names them
+    penalties: dict[str, Any] = field(default_factory=dict)
+    stops: tuple[str, ...] = ()
+    logprobs: int | None = None  # top_logprobs when logprobs were asked for, else None
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """Every sampling field of the request, by ``SamplingParams``' names."""
+        return {"temperature": self.temperature, "top_p": self.top_p, **self.penalties}
+
+    @property
+    def structured(self) -> bool:
+        """A structured output: the answer is one object under the request's JSON schema."""
+        return self.request.output is not None
 
     @property
     def constrained(self) -> bool:
@@ -216,15 +234,13 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
                        "model_not_found")
     if body.get("n", 1) != 1:
         raise _bad("n must be 1: this server decodes one choice per request", "n")
-    if body.get("logprobs"):
-        raise _bad("logprobs are not supported", "logprobs")
-    if body.get("stop"):
-        raise _bad("stop sequences are not supported: responses stop where the tool-call format ends", "stop")
-    if body.get("response_format", {"type": "text"}) != {"type": "text"}:
-        raise _bad("response_format is not supported: use tools with tool_choice 'required' for a schema",
-                   "response_format")
     tools = parse_tools(body.get("tools"))
     choice, function = parse_tool_choice(body.get("tool_choice"), tools)
+    output = parse_response_format(body.get("response_format"))
+    if output is not None and tools and choice != "none":
+        raise _bad("a response_format schema beside tools the model may call is not supported: send tool_choice "
+                   "'none' for the structured answer, or leave response_format out for a tool call",
+                   "response_format")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
         raise _bad(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
@@ -237,11 +253,104 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
-    request = ToolRequest(id=request_id, messages=parse_messages(body.get("messages"), fmt), tools=tools, source="api")
+    request = ToolRequest(id=request_id, messages=parse_messages(body.get("messages"), fmt),
+                          tools=[] if output is not None else tools, source="api", output=output)
     return ChatRequest(request=request, model=model, method=models[model], tool_choice=choice, function=function,
                        temperature=_number(body, "temperature", temperature, 0.0, 2.0),
                        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, max_tokens=max_tokens,
-                       stream=stream, include_usage=bool(options.get("include_usage")))
+                       stream=stream, include_usage=bool(options.get("include_usage")),
+                       penalties=parse_penalties(body), stops=parse_stop(body.get("stop")),
+                       logprobs=parse_logprobs(body))
+
+
+def parse_response_format(value: Any) -> dict | None:
+    """``response_format`` as a structured output (``ToolRequest.output``), or None for text."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":  # any object: nothing to hold its keys to
+        return {"name": "response", "schema": {"type": "object"}, "strict": False}
+    if kind != "json_schema":
+        raise _bad(f"response_format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got "
+                   f"{json.dumps(value)[:80]}", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise _bad("response_format.json_schema must be {'name': ..., 'schema': {...}, 'strict': ...}",
+                   "response_format.json_schema")
+    name = spec.get("name", "response")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise _bad(f"response_format.json_schema.name must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+                   "response_format.json_schema.name")
+    schema = spec.get("schema", {"type": "object"})
+    if schema.get("type", "object") != "object":
+        raise _bad(f"response_format.json_schema.schema must be a JSON Schema of type object (the answer is one "
+                   f"object), got type {schema.get('type')!r}", "response_format.json_schema.schema")
+    out = {"name": name, "schema": schema, "strict": bool(spec.get("strict", False))}
+    if isinstance(spec.get("description"), str):
+        out["description"] = spec["description"]
+    return out
+
+
+def parse_penalties(body: dict) -> dict[str, Any]:
+    """The sampling fields beyond temperature and top_p, checked (``SamplingParams`` names)."""
+    out: dict[str, Any] = {}
+    for key in ("frequency_penalty", "presence_penalty"):
+        if key in body:
+            out[key] = _number(body, key, 0.0, -2.0, 2.0)
+    if "min_p" in body:
+        out["min_p"] = _number(body, "min_p", 0.0, 0.0, 1.0)
+    if "repetition_penalty" in body:
+        out["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+            raise _bad(f"top_k must be an integer >= -1 (-1 or 0: off), got {top_k!r}", "top_k")
+        out["top_k"] = max(top_k, 0)
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias must map token ids to numbers in [-100, 100]", "logit_bias")
+        pairs = []
+        for token, value in bias.items():
+            if not str(token).isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not -100 <= value <= 100:
+                raise _bad(f"logit_bias must map token ids to numbers in [-100, 100], got {token!r}: {value!r}",
+                           "logit_bias")
+            pairs.append((int(token), float(value)))
+        out["logit_bias"] = tuple(pairs)
+    return out
+
+
+def parse_stop(stop: Any) -> tuple[str, ...]:
+    """``stop``: one string or a list of them, none empty."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+        raise _bad("stop must be a non-empty string or a list of at most 16 of them", "stop")
+    return tuple(stops)
+
+
+def parse_logprobs(body: dict) -> int | None:
+    """``top_logprobs`` when ``logprobs`` is true (0 without it), else None."""
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise _bad(f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
+    if not body.get("logprobs"):
+        if top:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def logprobs_content(tokenizer: Any, ids: list[int], scores: list) -> list[dict]:
+    """OpenAI's ``logprobs.content`` of committed tokens ``ids`` with their ``scores``
+    (``(logprob, [(id, logprob), ...])`` each): token text, bytes and the top alternatives."""
+    def entry(i: int, lp: float) -> dict:
+        text = tokenizer.decode([i])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return [{**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in top]} for i, (lp, top) in zip(ids, scores)]
 
 
 # ------------------------------------------------------------------------- answers
@@ -252,16 +361,21 @@ def usage(prompt_tokens: int, completion_tokens: int, target_calls: int, method:
             "accept_length": round(completion_tokens / target_calls, 4) if target_calls else None, "method": method}
 
 
-def completion(completion_id: str, created: int, model: str, msg: dict, finish: str, use: dict) -> dict:
+def completion(completion_id: str, created: int, model: str, msg: dict, finish: str, use: dict,
+               logprobs: list[dict] | None = None) -> dict:
+    """A whole answer; ``logprobs``: its ``logprobs.content`` when the request asked for them."""
+    lp = None if logprobs is None else {"content": logprobs}
     return {"id": completion_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}], "usage": use}
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": lp}], "usage": use}
 
 
 def chunk(completion_id: str, created: int, model: str, delta: dict, finish: str | None = None,
-          use: dict | None = None, choices: bool = True) -> dict:
-    """One streamed chunk; ``choices=False`` is the usage-only last chunk (``include_usage``)."""
+          use: dict | None = None, choices: bool = True, logprobs: list[dict] | None = None) -> dict:
+    """One streamed chunk; ``choices=False`` is the usage-only last chunk (``include_usage``);
+    ``logprobs``: the ``logprobs.content`` of the tokens committed since the last chunk."""
+    lp = None if logprobs is None else {"content": logprobs}
     out = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}] if choices else []}
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}] if choices else []}
     if use is not None:
         out["usage"] = use
     return out

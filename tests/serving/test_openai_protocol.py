@@ -36,6 +36,23 @@ def test_a_request_is_read_as_the_decoders_read_one():
     assert (nulls.max_tokens, nulls.stream, nulls.seed) == (50, False, None)
 
 
+def test_structured_outputs_sampling_fields_stop_and_logprobs_are_read():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    chat = parse_chat_request(body(tools=None, response_format={"type": "json_schema", "json_schema": {
+        "name": "place", "schema": schema, "strict": True}}, stop="\n", logprobs=True, top_logprobs=2, top_k=-1,
+        min_p=0.1, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1, logit_bias={"7": -100}),
+        MODELS, "x", temperature=0.0)
+    assert chat.structured and chat.request.output == {"name": "place", "schema": schema, "strict": True}
+    assert chat.request.slot_functions[0]["parameters"] == schema and chat.request.tools == []
+    assert chat.sampling == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.1, "frequency_penalty": 0.5,
+                             "presence_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": ((7, -100.0),)}
+    assert (chat.stops, chat.logprobs) == (("\n",), 2)
+    loose = parse_chat_request(body(response_format={"type": "json_object"}, tool_choice="none"), MODELS, "x")
+    assert loose.request.output["strict"] is False and loose.request.tools == []  # any object; tools not offered
+    plain = parse_chat_request(body(response_format={"type": "text"}, logprobs=False), MODELS, "x")
+    assert not plain.structured and plain.logprobs is None and plain.stops == ()
+
+
 def test_history_with_tool_calls_and_results_renders_like_the_corpus():
     history = [{"role": "developer", "content": "Be brief."},
                {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
@@ -73,8 +90,18 @@ def test_history_with_tool_calls_and_results_renders_like_the_corpus():
     ({"model": "gpt-4o"}, 404, "model", "not served"),
     ({"stream": "yes"}, 400, "stream", "true or false"),
     ({"seed": 2 ** 64}, 400, "seed", "[0, 2**63)"),
-    ({"stop": ["\n"]}, 400, "stop", "not supported"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    ({"stop": ["\n", ""]}, 400, "stop", "non-empty"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format", "beside tools"),
+    ({"response_format": {"type": "yaml"}}, 400, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}},
+      "tool_choice": "none"}, 400, "response_format.json_schema.schema", "type object"),
+    ({"frequency_penalty": 3}, 400, "frequency_penalty", "[-2, 2]"),
+    ({"top_k": 1.5}, 400, "top_k", "integer"),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty", "(0, 10]"),
+    ({"logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
+    ({"logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+    ({"top_logprobs": 3}, 400, "top_logprobs", "needs logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "[0, 20]"),
 ])
 def test_bad_requests_are_named(over, status, param, words):
     with pytest.raises(APIError) as e:

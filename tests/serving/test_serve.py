@@ -131,6 +131,68 @@ def test_none_answers_content_and_sampling_is_seeded(client, requests):
         a.choices[0].message.content
 
 
+TRIP = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["city", "days", "tags"], "additionalProperties": False}
+SPECULATIVE = ("schemafill", "eagle3")
+
+
+def test_structured_outputs_follow_the_schema_and_equal_ar_whole_and_streamed(client, requests):
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP, "strict": True}}
+    for r in requests[:2]:
+        answers = {}
+        for method in ("ar", *SPECULATIVE):
+            for stream in (False, True):
+                kw = dict(model=f"{MODEL}:{method}", messages=r.messages, response_format=fmt, temperature=0,
+                          max_tokens=64)
+                out = streamed(client, **kw)[0] if stream else client.chat.completions.create(**kw)
+                msg = out.choices[0].message
+                assert msg.tool_calls is None and out.choices[0].finish_reason == "stop"
+                jsonschema.validate(json.loads(msg.content), TRIP)  # the random target's answer, closed in time
+                answers[method, stream] = msg.content
+        assert len(set(answers.values())) == 1, answers  # lossless against constrained AR
+    loose = client.chat.completions.create(model=MODEL, messages=requests[0].messages, temperature=0, max_tokens=32,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(loose.choices[0].message.content), dict)
+
+
+def test_stop_logprobs_and_penalties_equal_ar_for_every_method_whole_and_streamed(client, requests):
+    r = requests[1]
+    base = dict(messages=r.messages, tools=r.tools, tool_choice="none", temperature=0, max_tokens=24)
+    ar = client.chat.completions.create(model=f"{MODEL}:ar", **base).choices[0].message.content
+    stop = ar[8:11]  # fires inside the answer, likely inside a block of accepted tokens
+    cases = {"stop": dict(stop=[stop, "never said"]),
+             "logprobs": dict(logprobs=True, top_logprobs=3),
+             "penalties": dict(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"29": 5},
+                               extra_body={"repetition_penalty": 1.3, "top_k": 5, "min_p": 0.05})}
+    for name, extra in cases.items():
+        seen = {}
+        for method in ("ar", *SPECULATIVE):
+            for stream in (False, True):
+                kw = dict(model=f"{MODEL}:{method}", **base, **extra)
+                if stream:
+                    out, chunks = streamed(client, **kw)
+                    scores = [e for c in chunks if c.choices and c.choices[0].logprobs
+                              for e in c.choices[0].logprobs.content]
+                else:
+                    out = client.chat.completions.create(**kw)
+                    scores = out.choices[0].logprobs.content if out.choices[0].logprobs else []
+                seen[method, stream] = (out.choices[0].message.content, out.usage.completion_tokens,
+                                        [(e.token, [t.token for t in e.top_logprobs]) for e in scores],
+                                        [e.logprob for e in scores])
+        text, tokens, top, lps = seen["ar", False]
+        for key, (t, n, tp, lp) in seen.items():  # tokens equal; logprobs up to float noise of other shapes
+            assert (t, n, tp) == (text, tokens, top), (name, key)
+            assert lp == pytest.approx(lps, abs=1e-3), (name, key)
+        if name == "stop":
+            assert stop not in text and ar.startswith(text) and len(text) <= 8
+        if name == "logprobs":
+            assert len(top) == tokens and all(len(alts) == 3 for _, alts in top)
+            assert all(lp <= 0 for lp in lps)
+        if name == "penalties":
+            assert text != ar  # the penalties changed the answer
+
+
 BAD = [  # (body, status, param)
     (b"{not json", 400, None),
     ({"model": MODEL, "messages": []}, 400, "messages"),

@@ -3,7 +3,7 @@ them alone (``accelerate launch --num_processes N data_gen/run.py stages=[contin
 spreads generation over N processes); ``train/run.py`` runs them as part of the pipeline.
 
 Stage ``requests``: BFCL v3 (every category), Glaive when ``data.glaive`` is set, and the
-user's own JSONL files → ``artifacts/requests/{bfcl450,glaive650,train}.jsonl`` plus
+user's own JSONL files → ``artifacts/requests/{bfcl450,bfcl450_structured,glaive650,train}.jsonl`` plus
 ``stats.json`` and ``rejected.jsonl`` (every skipped record, named, with its reason).
 """
 
@@ -35,9 +35,9 @@ def build_requests(cfg: PipelineConfig, tracker: Tracker | None = None) -> dict:
         "data": corpus,
         "bfcl": bfcl_version(bfcl_dir),
         "extra": [_file_stamp(p) for p in cfg.data.extra_requests],
-        "format": 1,
+        "format": 2,
     })
-    outputs = ["bfcl450.jsonl", "train.jsonl", "stats.json"]
+    outputs = ["bfcl450.jsonl", "bfcl450_structured.jsonl", "train.jsonl", "stats.json"]
     if (stats := load_if_fresh("requests", out_dir, fp, outputs, "stats.json", _counts)) is not None:
         return {**stats, "cached": True}
 

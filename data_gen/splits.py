@@ -3,6 +3,9 @@
 * ``bfcl450``: BFCL v3 ``exec_parallel`` (50) + ``parallel`` (200) + ``parallel_multiple`` (200).
 * ``glaive650``: 650 Glaive conversations drawn with a seeded RNG, one eligible decision
   point drawn from each (sampled by conversation, as in the paper).
+* ``bfcl450_structured``: the same requests as structured outputs — each answers with the
+  arguments object of its first reference call, under that tool's parameter schema (strict),
+  the tool-calling corpus's argument objects standing in for the schemas agents send.
 * ``train``: every other request, minus any whose normalised user text equals an
   evaluation request's (and minus repeats of one text within the pool), so no evaluation
   request is ever trained on. Glaive conversations drawn for evaluation leave the pool whole.
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from data_gen.corpora import BFCL_SOURCE
 from schemafill.contract.toolcall import ToolRequest, normalized_text
@@ -37,6 +40,21 @@ def bfcl450(bfcl: list[ToolRequest]) -> list[ToolRequest]:
     return chosen
 
 
+def structured_set(requests: list[ToolRequest]) -> list[ToolRequest]:
+    """Each request with a reference call as a structured output: its messages, the first
+    reference call's tool schema as the answer's schema, that call's arguments the reference."""
+    out = []
+    for r in requests:
+        first = r.reference[0] if r.reference else None
+        fn = next((f for f in r.functions if first is not None and f["name"] == first.name), None)
+        if fn is None:
+            continue
+        out.append(replace(r, id=f"{r.id}/structured", tools=[], reference=[first],
+                           output={"name": fn["name"], "description": fn.get("description", ""),
+                                   "schema": fn["parameters"], "strict": True}))
+    return out
+
+
 def glaive_eval(glaive: list[ToolRequest], size: int, seed: int) -> list[ToolRequest]:
     """One decision point from each of ``size`` conversations, both drawn with ``seed``."""
     by_conversation: dict[str, list[ToolRequest]] = defaultdict(list)
@@ -51,6 +69,7 @@ def glaive_eval(glaive: list[ToolRequest], size: int, seed: int) -> list[ToolReq
 def make_splits(bfcl: list[ToolRequest], glaive: list[ToolRequest], seed: int = 0,
                 glaive_eval_size: int = GLAIVE650_SIZE) -> Splits:
     eval_sets = {"bfcl450": bfcl450(bfcl)}
+    eval_sets["bfcl450_structured"] = structured_set(eval_sets["bfcl450"])  # the same texts: nothing new to hold out
     if glaive:
         eval_sets["glaive650"] = glaive_eval(glaive, glaive_eval_size, seed)
     eval_ids = {r.id for reqs in eval_sets.values() for r in reqs}

@@ -68,15 +68,17 @@ class ParallelFill:
         if request.id not in self.skeletons:
             raise KeyError(f"parallel_fill has no AR skeleton for request {request.id!r}: decode it with ar first")
         skeleton = self.skeletons[request.id]
-        return self.fill(prompt, skeleton["text"], skeleton["output_ids"])
+        return self.fill(prompt, skeleton["text"], skeleton["output_ids"], request.response_format(self.fmt))
 
-    def fill(self, prompt: list[int], skeleton_text: str, skeleton_ids: list[int]) -> Decoded:
-        """Fill AR's response (``skeleton_text``, tokens ``skeleton_ids``) value by value."""
-        tok = self.tokenizer
-        slots = [(j, call.name, key, a, e) for j, call in enumerate(response_layout(skeleton_text, self.fmt))
+    def fill(self, prompt: list[int], skeleton_text: str, skeleton_ids: list[int],
+             fmt: ResponseFormat | None = None) -> Decoded:
+        """Fill AR's response (``skeleton_text``, tokens ``skeleton_ids``, written in ``fmt``:
+        the launch's by default) value by value."""
+        tok, fmt = self.tokenizer, fmt or self.fmt
+        slots = [(j, call.name, key, a, e) for j, call in enumerate(response_layout(skeleton_text, fmt))
                  if call.name is not None for key, a, e in call.spans]
-        headers = [self.fmt.field_prefix(name, key) for _, name, key, _, _ in slots]
-        stops = [ValueStop(tok, self.eos, h, key, self.max_value_tokens, self.fmt)
+        headers = [fmt.field_prefix(name, key) for _, name, key, _, _ in slots]
+        stops = [ValueStop(tok, self.eos, h, key, self.max_value_tokens, fmt)
                  for h, (_, _, key, _, _) in zip(headers, slots)]
         prompts = [prompt + tok(ordinal_hint(j) + h, add_special_tokens=False).input_ids
                    for h, (j, _, _, _, _) in zip(headers, slots)]
@@ -84,11 +86,11 @@ class ParallelFill:
             generate(self.target, tok, prompts, self.max_value_tokens, self.batch_size, self.eos,
                      make_stop=lambda i: stops[i])
         else:
-            MainSession(self.target, prompt, ResponseStop(tok, self.eos, 1, fmt=self.fmt), scratch=0).prefill()
+            MainSession(self.target, prompt, ResponseStop(tok, self.eos, 1, fmt=fmt), scratch=0).prefill()
 
         text = skeleton_text
         for (_, _, _, a, e), stop in sorted(zip(slots, stops), key=lambda x: -x[0][3]):
             text = text[:a] + (stop.literal if stop.literal is not None else stop.text) + text[e:]
         ids = list(skeleton_ids) if text == skeleton_text else tok(text, add_special_tokens=False).input_ids
-        return Decoded(ids=ids, text=text, stop="closed" if parse_prefix(text, self.fmt).closed else "rebuilt",
+        return Decoded(ids=ids, text=text, stop="closed" if parse_prefix(text, fmt).closed else "rebuilt",
                        target_calls=0)

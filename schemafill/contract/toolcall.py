@@ -178,7 +178,10 @@ def _validate_output(output: Any) -> dict:
         raise InvalidRequest("'output' must be {'name': ..., 'schema': {...}, 'strict': ...}")
     name = output.get("name") or "response"
     fn = _validate_tools([{"name": name, "parameters": output["schema"]}])[0]["function"]
-    return {"name": name, "schema": fn["parameters"], "strict": bool(output.get("strict", True))}
+    out = {"name": name, "schema": fn["parameters"], "strict": bool(output.get("strict", True))}
+    if isinstance(output.get("description"), str) and output["description"]:
+        out["description"] = output["description"]
+    return out
 
 
 def _validate_calls(calls: Any, what: str) -> list[ToolCall]:

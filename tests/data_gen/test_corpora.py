@@ -97,6 +97,14 @@ def test_bfcl450_and_training_pool(bfcl):
     assert not eval_texts & set(train_texts)
     assert len(train_texts) == len(set(train_texts))
     assert not {r.id for r in evals} & {r.id for r in splits.train}
+    # the same requests as structured outputs: one object under the first call's tool schema
+    structured = splits.eval_sets["bfcl450_structured"]
+    assert len(structured) == sum(r.reference is not None for r in evals) >= 400
+    first = {r.id: r for r in evals}[structured[0].id.removesuffix("/structured")]
+    assert structured[0].output["name"] == first.reference[0].name and structured[0].tools == []
+    assert structured[0].output["schema"] == next(f["parameters"] for f in first.functions
+                                                  if f["name"] == first.reference[0].name)
+    assert structured[0].messages == first.messages and structured[0].reference == first.reference[:1]
 
 
 def test_training_pool_drops_requests_that_repeat_an_eval_text(bfcl):

@@ -198,7 +198,9 @@ class Stream:
         self.init_nodes = 0
         self.error: BaseException | None = None
         self.reused = 0  # prompt tokens whose KV came from another request's (``prefixes``)
-        self.worth = DraftWorth()  # is its drafting worth its host time in this batch (``backoff.py``)
+        # is its drafting worth its host time in this batch (``backoff.py``), from what the
+        # method's drafting brought on the launch's earlier requests on
+        self.worth = DraftWorth(getattr(drafting.pricing, "worth", None))
         self.draft_ms: float | None = None  # this round's drafting and selection, None: it did not draft
 
     @property

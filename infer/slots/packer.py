@@ -145,6 +145,15 @@ def _current_fields(text: str, state: ParseState, plan: CallPlan) -> list[tuple[
         value = plan.values.get(state.field)
         fields.append((state.field, value if value is not None and value.startswith(partial) else None))
         done.add(state.field)
+    elif state.spans and text[state.spans[-1][2]:].strip() == "," and all(k in done for k in plan.keys):
+        # MAIN goes on past the predicted keys: the schema's next key after the last it wrote
+        # (a grammar keeps the schema's order), an optional one the forecast left out
+        last = state.spans[-1][0]
+        later = plan.schema_keys[plan.schema_keys.index(last) + 1:] if last in plan.schema_keys else ()
+        key = next((k for k in later if k not in done), None)
+        if key is not None:
+            fields.append((key, plan.values.get(key)))
+            done.add(key)
     fields += [(k, plan.values.get(k)) for k in plan.keys if k not in done]
     return fields
 

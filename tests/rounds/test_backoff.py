@@ -10,7 +10,7 @@ from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
 from infer.proposers.head import TreeBudget
 from infer.rounds import loop
-from infer.rounds.backoff import MEASURED, PROBE_EVERY, DraftWorth, RoundRate
+from infer.rounds.backoff import MEASURED, PRIOR_ROUNDS, PROBE_EVERY, DraftWorth, RoundRate, WorthPrior
 from infer.rounds.decoding import DecodeOptions, Runtime
 from schemafill.contract.prompt import prompt_ids
 from schemafill.runtime.loading import load_target, load_tokenizer
@@ -29,6 +29,22 @@ def test_drafting_pays_while_its_gain_beats_what_its_time_costs_the_batch():
     assert [w.worth(rate=1.5) for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]  # a probe
     w.drafted(committed=1, ms=2.0)  # nothing gained: the mean falls
     assert w.gain == 1.5 and w.worth(rate=0.7) and not w.worth(rate=0.8)
+
+
+def test_a_launchs_earlier_requests_weigh_as_prior_rounds():
+    prior = WorthPrior()
+    first = DraftWorth(prior)
+    for committed in (5, 5, 5):  # 4 tokens beyond one, 2 ms each: the launch learns drafting pays
+        first.drafted(committed=committed, ms=2.0)
+    assert (prior.rounds, prior.means()) == (3, (4.0, 2.0))
+    alone, shrunk = DraftWorth(), DraftWorth(prior)
+    for w in (alone, shrunk):
+        for _ in range(MEASURED):  # a request whose first rounds gain nothing (a value no draft knows)
+            w.drafted(committed=1, ms=2.0)
+    assert not alone.worth(rate=0.5)  # on its own three rounds it would stop drafting
+    # with the launch's 4 tokens a round worth PRIOR_ROUNDS of its own: (0 + 8 * 4) >= 0.5 * (6 + 8 * 2)
+    assert PRIOR_ROUNDS == 8 and shrunk.worth(rate=0.5)
+    assert not shrunk.worth(rate=2.0)  # in a busy enough batch it stops all the same
 
 
 def test_the_rate_is_a_running_mean_of_the_rounds():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from infer.slots.forecast import call_plan, forecast_groups, rank_tools, words
 from infer.slots.packer import CallPlan, propose
 from schemafill.contract.parser import parse_prefix
+from schemafill.contract.response_format import object_format
 from schemafill.contract.toolcall import ToolRequest
 
 WEATHER = CallPlan("get_weather", ("city", "unit"), ("city", "unit", "days"), {"city": '"Paris"', "unit": '"C"'})
@@ -33,6 +34,15 @@ def test_realized_values_are_kept_and_unforeseen_keys_completed():
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"'
     assert p(text, [WEATHER, TIME]) == ', "unit": "C"}}, {"name": "get_time", "arguments": {"tz": '
     assert p(text, [WEATHER, TIME], cross_calls=False) == ', "unit": "C"}}'
+
+
+def test_past_the_predicted_keys_a_comma_leads_to_the_schemas_next_key():
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "unit": "F",'
+    assert p(text, [WEATHER]) == ' "days": '  # the optional key after the last one written, in schema order
+    assert p(text + ' "days": 3,', [WEATHER]) == ""  # nothing after the schema's last key
+    structured = object_format("get_weather")  # a structured output: the object alone, the same keys
+    text = '{"city": "Rome", "unit": "F",'
+    assert propose(text, parse_prefix(text, structured), [WEATHER], fmt=structured) == ' "days": '
 
 
 def test_between_calls_and_after_the_last():

@@ -65,5 +65,7 @@ def test_sampling_settings_a_request_leaves_out_are_the_launchs(grammars):
     d = DecodeConfig(temperature=0.7, top_p=0.9, constrain="none")
     launch = request_options(d, lambda: grammars, [], seed=3)
     assert (launch.sampler.temperature, launch.sampler.top_p) == (0.7, 0.9)
-    own = request_options(d, lambda: grammars, [], seed=3, temperature=0.0, top_p=1.0)
-    assert own.sampler.greedy and own.sampler.top_p == 1.0
+    own = request_options(d, lambda: grammars, [], seed=3, sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 4},
+                          stops=("\n",), logprobs=2)
+    assert own.sampler.greedy and own.sampler.top_p == 1.0 and own.sampler.params.top_k == 4
+    assert (own.stops, own.logprobs) == (("\n",), 2)

@@ -25,7 +25,7 @@ def test_requests_stage_writes_eval_and_training_sets(make_cfg):
     assert len(bfcl450) == 450 and len(train) >= 2000
     assert not {r["id"] for r in bfcl450} & {r["id"] for r in train}
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["eval"] == {"bfcl450": 450} and stats["train"] == len(train)
+    assert stats["eval"] == {"bfcl450": 450, "bfcl450_structured": 450} and stats["train"] == len(train)
     assert result["stages"]["requests"]["cached"] is False and "requests" in result["seconds"]
     summary = json.loads((Path(cfg.paths.artifacts) / "run_summary" / "smollm2-135m.json").read_text())
     assert list(summary["stages"]) == ["requests"] and summary["last_run"]["stages"] == ["requests"]

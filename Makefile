@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run full test test-full bench bench-forward bench-concurrency vllm-bench serve serve-bench gpu-check gpu-project clean
+.PHONY: help setup run full test test-full bench bench-structured bench-forward bench-concurrency vllm-bench serve serve-bench gpu-check gpu-project clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -54,11 +54,16 @@ test-full: setup  ## every test, `slow` ones included
 
 BENCH_LIMIT ?= 0
 BENCH_METHODS ?= [ar,eagle3,eagle3_wide,toolspec,ngram,suffix,schemafill]
+STRUCTURED_METHODS ?= [ar,eagle3,toolspec,ngram,suffix,schemafill]
 BENCH_HEAD ?= $(firstword $(wildcard artifacts/heads/smollm2-135m-full) artifacts/heads/smollm2-135m)
 BENCH_ARGS ?=
 bench: setup  ## AR vs EAGLE-3, the training-free peers and SchemaFill on BFCL450, built-in target (BENCH_LIMIT=N: N spread requests; BENCH_ARGS="decode.constrain=schema" or "concurrency=8") -> outputs/bench/
 	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450.jsonl methods=$(BENCH_METHODS) \
 		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench $(BENCH_ARGS)
+
+bench-structured: setup  ## AR, EAGLE-3, the peers and SchemaFill on BFCL450's requests as structured outputs (a JSON schema per answer) -> outputs/bench/structured/
+	$(BIN)/python infer/run.py requests=artifacts/requests/bfcl450_structured.jsonl methods=$(STRUCTURED_METHODS) \
+		limit=$(BENCH_LIMIT) head=$(BENCH_HEAD) out=outputs/bench/structured $(BENCH_ARGS)
 
 bench-forward: setup  ## one target call of n rows, ours and transformers', fp32 and bf16, beside the host's bandwidth bound -> outputs/bench/forward.json
 	$(BIN)/python benchmarks/forward_bench.py

@@ -32,7 +32,8 @@ TARGET = ["model.finetune=false", "model.aux_layer_ids=[1,2,3]", "decode.max_new
 def served(tiny_target, tiny_head, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("serve")
     cfg = to_dataclass(compose([f"model.source={tiny_target}", f"head={tiny_head}", f"paths.artifacts={tmp}",
-                                f"decode.cost_cache={tmp / 'cost'}", "methods=[ar,eagle3]", "max_batch=2", "queue_size=2", *TARGET],
+                                f"decode.cost_cache={tmp / 'cost'}", "methods=[ar,eagle3,ngram,suffix,toolspec]", "max_batch=2",
+                                "queue_size=2", *TARGET],
                                config_name="serve"), ServeConfig)
     engine = Engine(cfg)
     with BackgroundServer(engine) as server:
@@ -134,7 +135,7 @@ def test_none_answers_content_and_sampling_is_seeded(client, requests):
 TRIP = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                          "tags": {"type": "array", "items": {"type": "string"}}},
         "required": ["city", "days", "tags"], "additionalProperties": False}
-SPECULATIVE = ("schemafill", "eagle3")
+SPECULATIVE = ("schemafill", "eagle3", "ngram", "suffix", "toolspec")  # every lossless method but AR
 
 
 def test_structured_outputs_follow_the_schema_and_equal_ar_whole_and_streamed(client, requests):
@@ -331,7 +332,7 @@ def test_a_client_that_goes_away_frees_its_place(served, requests):
 def test_models_health_and_metrics(served, client):
     url = served[1].url
     ids = [m.id for m in client.models.list().data]
-    assert ids == [MODEL, f"{MODEL}:schemafill", f"{MODEL}:ar", f"{MODEL}:eagle3"]
+    assert ids == [MODEL, *(f"{MODEL}:{m}" for m in ("schemafill", "ar", "eagle3", "ngram", "suffix", "toolspec"))]
     assert httpx.get(url + "/health").json()["status"] == "ok"
     text = httpx.get(url + "/metrics").text
     for name in ("schemafill_requests_total", "schemafill_completion_tokens_total", "schemafill_target_calls_total",

@@ -37,7 +37,7 @@ import torch
 
 from infer.rounds.tree import ROOT
 from schemafill.contract import schemas
-from schemafill.contract.response_format import JSON, KEY, SEPARATORS, ResponseFormat, dumps
+from schemafill.contract.response_format import JSON, KEY, SEPARATORS, ResponseFormat, dumps, object_format
 
 
 def call_schemas(functions: list[dict], fmt: ResponseFormat = JSON) -> list[dict]:
@@ -170,20 +170,29 @@ class SchemaGrammars:
         self.compile_seconds: list[float] = []  # one per catalog compiled
 
     def constraint(self, functions: list[dict], enforce: bool = True, min_calls: int = 0,
-                   close_at: int | None = None, fmt: ResponseFormat | None = None) -> "Constraint":
+                   close_at: int | None = None, fmt: ResponseFormat | None = None,
+                   alternative: dict | None = None) -> "Constraint":
         """The request's grammar state; ``enforce=False`` only prunes drafts (``Constraint``).
         ``close_at``: the response token from which a catalog whose longest call is 0 tokens
         would start closing (None: never); each catalog starts earlier by the tokens of its
         longest minimal call (``minimal_value``), as a call begun just then must still end.
         ``fmt``: the request's format where it is not the launch's (a structured output, whose
-        one function's ``strict`` says whether fields its schema does not list may appear)."""
+        one function's ``strict`` says whether fields its schema does not list may appear).
+        ``alternative``: a structured output's function whose object may answer instead of the
+        calls (the json format only: both are then one JSON object)."""
         fmt = fmt or self.fmt
         strict = functions[0].get("strict", True) if fmt.bare is not None else True
-        schema = json.dumps(response_schema(functions, min_calls, fmt))  # keys in schema order: kept
+        tree = response_schema(functions, min_calls, fmt)
+        if alternative is not None:
+            if fmt.name != JSON.name:
+                raise ValueError(f"an answer that may be calls or an object needs the json format, not {fmt.name}")
+            tree = {"anyOf": [tree, response_schema([alternative], fmt=object_format(alternative["name"]))]}
+            strict = alternative.get("strict", True)
+        schema = json.dumps(tree)  # keys in schema order: kept
         key = schema if strict else "loose:" + schema
         if key not in self.cache:
             t = time.perf_counter()
-            if fmt.name == JSON.name or fmt.bare is not None:
+            if fmt.name == JSON.name or fmt.bare is not None:  # one JSON value, calls or an object
                 self.cache[key] = self.compiler.compile_json_schema(schema, any_whitespace=False,
                                                                     separators=SEPARATORS, strict_mode=strict)
             else:
@@ -199,6 +208,8 @@ class SchemaGrammars:
                      if fmt.bare is not None else
                      dumps(fmt.call_object({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}))
                      + tail for fn in functions]
+            if alternative is not None:
+                calls.append(dumps(minimal_value(alternative.get("parameters"))))
             longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
             close_at = max(base - longest, 0)
         return Constraint(self.xgr, self.cache[key], self.pieces, self.closers, close_at, enforce)

@@ -27,17 +27,22 @@ def request_options(decode: DecodeConfig, grammars: Callable[[], SchemaGrammars]
                     stops: tuple[str, ...] = (), logprobs: int | None = None) -> DecodeOptions:
     """``functions``: the catalog the response may call (empty: no grammar unless
     ``required``); ``required``: the tools one of which the response must call, or None;
-    ``request``: the request, whose structured output (if it asks for one) always follows its schema;
+    ``request``: the request, whose structured output (if it asks for one) always follows its
+    schema — or, beside tools it may call, either calls them or follows it;
     ``grammars``: the launch's compiled grammars, built on first need. ``sampling``: the
     request's ``SamplingParams`` fields; temperature and top_p it leaves out are the launch's."""
     cap = max_tokens or decode.max_new_tokens
     close_at = cap - decode.close_margin if decode.close_margin else None
     constraint = None
-    if request is not None and request.output is not None:
-        fmt = request.response_format(grammars().fmt)
-        constraint = grammars().constraint(request.slot_functions, True, close_at=close_at, fmt=fmt)
-    elif required is not None:
+    output = request.output_function if request is not None else None
+    if required is not None:  # a call it must be, whatever else the request names
         constraint = grammars().constraint(required, True, min_calls=1, close_at=close_at)
+    elif output is not None and request.object_only:
+        fmt = request.response_format(grammars().fmt)
+        constraint = grammars().constraint([output], True, close_at=close_at, fmt=fmt)
+    elif output is not None:  # calls of the tools (one at least), or the output's object
+        constraint = grammars().constraint(functions or request.functions, True, min_calls=1, close_at=close_at,
+                                           alternative=output)
     elif functions and decode.constrain != "none":
         constraint = grammars().constraint(functions, decode.constrain == "schema", close_at=close_at)
     params = {"temperature": decode.temperature, "top_p": decode.top_p, **(sampling or {})}

@@ -8,7 +8,7 @@ OpenAI has (``temperature``, ``top_p``, ``frequency_penalty``, ``presence_penalt
 ``stop``, ``logprobs`` / ``top_logprobs``, ``max_tokens``, ``stream``. Fields we do not use
 (``user``, ``metadata``, ``parallel_tool_calls`` ...) are ignored as OpenAI-compatible
 engines ignore them, and what we cannot honour (``n`` > 1, a structured output beside tools
-the model may call) is refused by name rather than silently dropped. A null field is an
+on a target whose calls are not one JSON object) is refused by name rather than silently dropped. A null field is an
 absent one. Pure: standard library and ``schemafill`` only.
 """
 
@@ -75,8 +75,9 @@ class ChatRequest:
 
     @property
     def structured(self) -> bool:
-        """A structured output: the answer is one object under the request's JSON schema."""
-        return self.request.output is not None
+        """A structured output only: the answer is one object under the request's JSON schema
+        (beside tools it may call, an answer that is not a call is that object, as content)."""
+        return self.request.object_only
 
     @property
     def constrained(self) -> bool:
@@ -237,10 +238,10 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
     tools = parse_tools(body.get("tools"))
     choice, function = parse_tool_choice(body.get("tool_choice"), tools)
     output = parse_response_format(body.get("response_format"))
-    if output is not None and tools and choice != "none":
-        raise _bad("a response_format schema beside tools the model may call is not supported: send tool_choice "
-                   "'none' for the structured answer, or leave response_format out for a tool call",
-                   "response_format")
+    if output is not None and tools and choice == "auto" and (fmt.in_words or fmt.bare is not None):
+        raise _bad(f"a response_format schema beside tools the model may call needs a target whose calls are "
+                   f"one JSON object (this one writes {fmt.name}): send tool_choice 'none' for the structured "
+                   "answer, or leave response_format out for a tool call", "response_format")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
         raise _bad(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
@@ -253,8 +254,9 @@ def parse_chat_request(body: dict, models: dict[str, str], request_id: str, temp
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options must be an object", "stream_options")
+    # tool_choice none: the object alone; auto: calls or the object; required or named: a call
     request = ToolRequest(id=request_id, messages=parse_messages(body.get("messages"), fmt),
-                          tools=[] if output is not None else tools, source="api", output=output)
+                          tools=[] if output is not None and choice == "none" else tools, source="api", output=output)
     return ChatRequest(request=request, model=model, method=models[model], tool_choice=choice, function=function,
                        temperature=_number(body, "temperature", temperature, 0.0, 2.0),
                        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, max_tokens=max_tokens,

@@ -297,7 +297,7 @@ class SlotDrafting(Drafting):
         if not self.cfg.forecasts:
             return []
         groups = self.groups
-        if self.request.output is not None:  # a structured output: its one object, its fields the slots
+        if self.request.object_only:  # a structured output: its one object, its fields the slots
             groups = [0]
         elif groups is None:
             groups = forecast_groups(rank_tools(self.request), self.cfg.forecast_budget)

@@ -63,18 +63,21 @@ def render_catalog(request: ToolRequest) -> str:
 
 
 def output_instructions(request: ToolRequest) -> str:
-    """What a structured output asks of the target: one object under its schema."""
+    """What a structured output asks of the target: one object under its schema (beside tools,
+    whenever it answers without calling one)."""
     out = request.output
     schema = json.dumps(out["schema"], ensure_ascii=False, separators=(",", ":"))
     about = f" ({out['description']})" if out.get("description") else ""
-    return (f"Reply with exactly one JSON object and nothing else: the {out['name']}{about}, "
+    when = "Reply" if request.object_only else "When you answer without calling a tool, reply"
+    return (f"{when} with exactly one JSON object and nothing else: the {out['name']}{about}, "
             f"following this JSON Schema:\n{schema}")
 
 
 def system_text(request: ToolRequest, fmt: ResponseFormat = JSON) -> str:
-    if request.output is not None:
+    if request.object_only:
         return output_instructions(request)
-    return f"{INSTRUCTIONS}\n{render_catalog(request)}\n\n{format_instructions(fmt)}"
+    text = f"{INSTRUCTIONS}\n{render_catalog(request)}\n\n{format_instructions(fmt)}"
+    return text if request.output is None else f"{text}\n\n{output_instructions(request)}"
 
 
 def render_plain(request: ToolRequest, fmt: ResponseFormat = JSON) -> str:

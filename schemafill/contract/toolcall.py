@@ -42,7 +42,8 @@ class ToolRequest:
     reference: list[ToolCall] | None = None  # known ground truth, first acceptable value
     meta: dict = field(default_factory=dict)
     # a structured output: {"name": ..., "schema": {...}, "strict": bool}, the JSON Schema the
-    # answer (one object, not tool calls) follows; None for a tool-calling request
+    # answer follows — one object, not tool calls, unless ``tools`` are offered too: then the
+    # answer calls them or is that object; None for a tool-calling request
     output: dict | None = None
 
     @property
@@ -59,13 +60,18 @@ class ToolRequest:
                 "parameters": self.output["schema"], "strict": self.output.get("strict", True)}
 
     @property
+    def object_only(self) -> bool:
+        """Is the answer the output schema's object, with no tools to call instead?"""
+        return self.output is not None and not self.tools
+
+    @property
     def slot_functions(self) -> list[dict]:
         """The functions whose arguments the answer may hold: the output schema's, or the catalog."""
-        return [self.output_function] if self.output is not None else self.functions
+        return [self.output_function] if self.object_only else self.functions
 
     def response_format(self, fmt: ResponseFormat) -> ResponseFormat:
         """How this request's answer is written, on a target that writes its calls in ``fmt``."""
-        return object_format(self.output["name"]) if self.output is not None else fmt
+        return object_format(self.output["name"]) if self.object_only else fmt
 
     @property
     def tool_names(self) -> list[str]:

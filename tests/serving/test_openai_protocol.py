@@ -8,6 +8,7 @@ import pytest
 
 from infer.serving.protocol import APIError, chunk, completion, parse_body, parse_chat_request, usage
 from schemafill.contract.prompt import render_plain
+from schemafill.contract.response_format import HERMES
 
 MODELS = {"tiny": "schemafill", "tiny:ar": "ar"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -49,6 +50,11 @@ def test_structured_outputs_sampling_fields_stop_and_logprobs_are_read():
     assert (chat.stops, chat.logprobs) == (("\n",), 2)
     loose = parse_chat_request(body(response_format={"type": "json_object"}, tool_choice="none"), MODELS, "x")
     assert loose.request.output["strict"] is False and loose.request.tools == []  # any object; tools not offered
+    either = parse_chat_request(body(response_format={"type": "json_object"}), MODELS, "x")  # auto: calls or the object
+    assert not either.structured and either.request.tools == [WEATHER] and either.request.output is not None
+    with pytest.raises(APIError, match="one JSON object") as e:
+        parse_chat_request(body(response_format={"type": "json_object"}), MODELS, "x", fmt=HERMES)
+    assert e.value.param == "response_format"
     plain = parse_chat_request(body(response_format={"type": "text"}, logprobs=False), MODELS, "x")
     assert not plain.structured and plain.logprobs is None and plain.stops == ()
 
@@ -91,7 +97,6 @@ def test_history_with_tool_calls_and_results_renders_like_the_corpus():
     ({"stream": "yes"}, 400, "stream", "true or false"),
     ({"seed": 2 ** 64}, 400, "seed", "[0, 2**63)"),
     ({"stop": ["\n", ""]}, 400, "stop", "non-empty"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format", "beside tools"),
     ({"response_format": {"type": "yaml"}}, 400, "response_format", "json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}},
       "tool_choice": "none"}, 400, "response_format.json_schema.schema", "type object"),

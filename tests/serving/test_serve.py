@@ -138,7 +138,7 @@ TRIP = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"t
 SPECULATIVE = ("schemafill", "eagle3", "ngram", "suffix", "toolspec")  # every lossless method but AR
 
 
-def test_structured_outputs_follow_the_schema_and_equal_ar_whole_and_streamed(client, requests):
+def test_structured_outputs_follow_the_schema_and_equal_ar_whole_and_streamed(client, requests, smol_tokenizer):
     fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP, "strict": True}}
     for r in requests[:2]:
         answers = {}
@@ -155,6 +155,25 @@ def test_structured_outputs_follow_the_schema_and_equal_ar_whole_and_streamed(cl
     loose = client.chat.completions.create(model=MODEL, messages=requests[0].messages, temperature=0, max_tokens=32,
                                            response_format={"type": "json_object"})
     assert isinstance(json.loads(loose.choices[0].message.content), dict)
+    # beside tools under tool_choice auto: the answer calls them or is the object, AR's either way
+    kinds, r = set(), requests[0]
+    schemas = {f["name"]: f.get("parameters") or {} for f in r.functions}
+    key = smol_tokenizer('{"city"', add_special_tokens=False).input_ids[1:]
+    for bias in ({}, {"logit_bias": {str(t): 100 for t in key}}):  # then toward the object's first key
+        answers = set()
+        for method in ("ar", *SPECULATIVE):
+            kw = dict(model=f"{MODEL}:{method}", messages=r.messages, tools=r.tools, response_format=fmt,
+                      temperature=0, max_tokens=64, **bias)
+            msg = client.chat.completions.create(**kw).choices[0].message
+            if msg.tool_calls:
+                for c in msg.tool_calls:
+                    jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+            else:
+                jsonschema.validate(json.loads(msg.content), TRIP)
+            kinds.add("calls" if msg.tool_calls else "object")
+            answers.add(msg.model_dump_json(exclude={"tool_calls": {"__all__": {"id"}}}))
+        assert len(answers) == 1, answers
+    assert kinds == {"calls", "object"}  # both ways out of the grammar were taken
 
 
 def test_stop_logprobs_and_penalties_equal_ar_for_every_method_whole_and_streamed(client, requests):

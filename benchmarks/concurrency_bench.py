@@ -305,11 +305,18 @@ def main() -> None:
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     hangup: dict = {}
 
+    def cold(method: str) -> None:
+        """A run starts as on a fresh server: nothing learnt by the method, no prompt prefix kept
+        (else every run after a level's first reuses its prompts and only that one prefills)."""
+        decoders.reset(engine.decoders[method])
+        if engine.batch.prefixes is not None:
+            engine.batch.prefixes.clear()
+
     def drive(url: str) -> None:
         bar = tqdm(total=len(levels) * len(methods), desc="concurrency", unit="run", dynamic_ncols=True)
         for j, k in enumerate(levels):
             for m in methods[j % len(methods):] + methods[:j % len(methods)]:
-                engine.between_rounds(lambda m=m: decoders.reset(engine.decoders[m])).result()  # idle: no round
+                engine.between_rounds(lambda m=m: cold(m)).result()  # idle: no round
                 before = prompt_counts(url, m)
                 runs[m].append(run_level(url, f"{name}:{m}", requests[:sent[k]], k, turns))
                 (prompt, reused), (prompt0, reused0) = prompt_counts(url, m), before

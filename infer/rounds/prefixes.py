@@ -66,6 +66,10 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.kept)
 
+    def clear(self) -> None:
+        """Forget every kept prefix (a bench starting each method's run cold)."""
+        self.kept.clear()
+
     def longest(self, prompt: list[int]) -> tuple[Prefix, int] | None:
         """The kept prefix sharing the most leading tokens with ``prompt`` and how many it may
         give: all of them but the prompt's last, which the prefill computes for its logits.

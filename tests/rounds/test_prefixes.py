@@ -38,6 +38,8 @@ def test_a_prompt_starts_from_the_kept_one_it_shares_most_with_and_computes_its_
     assert cache.longest(base)[1] == len(base) - 1  # the same prompt: all but its last token
     assert cache.longest(base[:MIN_SHARED - 1] + [0] * 40) is None  # too little in common
     assert cache.reused_tokens == 2 * len(base) - 1
+    cache.clear()
+    assert cache.longest(base + [5, 6]) is None and cache.nbytes == 0  # cold again
 
 
 def test_what_is_kept_stays_within_the_budget_least_recently_used_first():

@@ -46,7 +46,7 @@ def structured_set(requests: list[ToolRequest]) -> list[ToolRequest]:
     out = []
     for r in requests:
         first = r.reference[0] if r.reference else None
-        fn = next((f for f in r.functions if first is not None and f["name"] == first.name), None)
+        fn = next((f for f in r.functions if f["name"] == first.name), None) if first else None
         if fn is None:
             continue
         out.append(replace(r, id=f"{r.id}/structured", tools=[], reference=[first],

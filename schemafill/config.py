@@ -271,7 +271,8 @@ class TrainConfig:
 class EvalConfig:
     """Stage `eval`: every method on the evaluation sets, side by side, and the report."""
 
-    datasets: list[str] = field(default_factory=lambda: ["bfcl450", "bfcl450_structured", "glaive650"])  # absent sets are skipped
+    # absent sets are skipped
+    datasets: list[str] = field(default_factory=lambda: ["bfcl450", "bfcl450_structured", "glaive650"])
     methods: list[str] = field(default_factory=lambda: ["ar", "eagle3", "toolspec", "ngram", "suffix",
                                                         "parallel_fill", "schemafill"])
     ablations: bool = True  # Table 2: SchemaFill stages A-C too, on bfcl450 (schemafill itself is D)

@@ -14,8 +14,10 @@ from schemafill.config import ToolSpecConfig
 
 def declare(rt: Runtime, cfg: ToolSpecConfig, budget: NodeBudget | None = None) -> Method:
     memory = ToolSpecMemory(cfg, rt.target.config.vocab_size, rt.target.device)
-    return Method(rt, lambda request, prompt: ToolSpecDrafting(memory, request, rt.tokenizer, request.response_format(rt.fmt), budget),
-                  budget, memory)
+    def drafting(request, prompt):
+        return ToolSpecDrafting(memory, request, rt.tokenizer, request.response_format(rt.fmt), budget)
+
+    return Method(rt, drafting, budget, memory)
 
 
 def build(ctx: DecoderContext, method: str) -> Method:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from infer.pricing.acceptance import AcceptanceStats, head_source
 from infer.pricing.cost_model import CostModel, LiveCost
 from infer.pricing.selection import expected_rate, path_values, select
-from infer.rounds.backoff import WorthPrior
+from infer.rounds.backoff import DraftWorth
 from infer.rounds.candidates import Candidates
 from infer.rounds.share import ALONE, Share
 
@@ -35,8 +35,8 @@ class NodeBudget:
     rate: float = 0.0  # committed tokens per ms the chosen sets were expected to bring (running mean)
     cost: LiveCost | None = field(init=False, default=None)
     head_gain: float | None = None  # the head's tokens on the accepted path per round it drafted (running mean)
-    # what drafting brought per drafted round over the launch's requests (``rounds/backoff.py``)
-    worth: WorthPrior = field(default_factory=WorthPrior)
+    # what drafting brought over the drafted rounds of the launch's requests (``rounds/backoff.py``)
+    worth: DraftWorth = field(default_factory=DraftWorth)
 
     def __post_init__(self) -> None:
         if self.fixed_host_ms is not None:

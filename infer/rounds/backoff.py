@@ -15,8 +15,8 @@ measuring, so it speculates again once the batch thins out or its drafts start t
 
 No threshold is fixed: both sides are measured, the rate from the batch's rounds, the gain
 and milliseconds from the request's own — shrunk toward what the method's drafting brought
-on the launch's earlier requests (``WorthPrior``, worth ``PRIOR_ROUNDS`` rounds of the
-request's own). A request's first rounds say little: a structured output's first value is
+on the launch's earlier requests (a ``DraftWorth`` of all their rounds, worth ``PRIOR_ROUNDS``
+rounds of the request's own). A request's first rounds say little: a structured output's first value is
 new text no draft knows, and its structure after it is nearly all drafted; stopping on
 three rounds of such a value cost whole responses their speculation, while drafting on
 through a few bad rounds costs only their drafting milliseconds.
@@ -33,27 +33,15 @@ PRIOR_ROUNDS = 8  # the launch's earlier requests count as this many rounds of a
 
 
 @dataclass
-class WorthPrior:
-    """What one method's drafting brought per drafted round over a launch's requests so far
-    (its pricing keeps one): the prior each new request's ``DraftWorth`` starts from."""
-
-    gain_sum: float = 0.0
-    ms_sum: float = 0.0
-    rounds: int = 0
-
-    def means(self) -> tuple[float, float] | None:
-        return (self.gain_sum / self.rounds, self.ms_sum / self.rounds) if self.rounds else None
-
-
-@dataclass
 class DraftWorth:
     """One request's measured drafting, over its drafted rounds: the tokens they added beyond
     the one a round commits anyway, and their milliseconds (shares of shared drafter forwards
     included). Means over every drafted round, not the latest few: a single round that
     commits one token (the response's first word, a value no draft knew) says little; with a
-    ``prior``, the means are shrunk toward the launch's (and feed it)."""
+    ``prior`` (the launch's: every request's drafted rounds, its pricing keeps one), the means
+    are shrunk toward its means, and every round this request drafts feeds it too."""
 
-    prior: WorthPrior | None = None
+    prior: "DraftWorth | None" = None
     gain_sum: float = 0.0
     ms_sum: float = 0.0
     rounds: int = 0
@@ -70,9 +58,8 @@ class DraftWorth:
     def worth(self, rate: float) -> bool:
         """Draft this round, in a batch committing ``rate`` tokens per ms? Always until measured."""
         gain, ms = self.gain_sum, self.ms_sum
-        means = self.prior.means() if self.prior is not None else None
-        if means is not None:  # the sums over this request's rounds and PRIOR_ROUNDS of the launch's
-            gain, ms = gain + PRIOR_ROUNDS * means[0], ms + PRIOR_ROUNDS * means[1]
+        if self.prior is not None and self.prior.rounds:  # this request's rounds and PRIOR_ROUNDS of the launch's
+            gain, ms = gain + PRIOR_ROUNDS * self.prior.gain, ms + PRIOR_ROUNDS * self.prior.ms
         if self.rounds < MEASURED or gain >= rate * ms or self.skipped + 1 >= PROBE_EVERY:
             self.skipped = 0
             return True
@@ -81,14 +68,11 @@ class DraftWorth:
 
     def drafted(self, committed: int, ms: float) -> None:
         """A drafted round committed ``committed`` tokens after ``ms`` of drafting."""
-        gain = max(committed - 1, 0)
-        self.gain_sum += gain
+        self.gain_sum += max(committed - 1, 0)
         self.ms_sum += ms
         self.rounds += 1
         if self.prior is not None:
-            self.prior.gain_sum += gain
-            self.prior.ms_sum += ms
-            self.prior.rounds += 1
+            self.prior.drafted(committed, ms)
 
 
 @dataclass

@@ -48,6 +48,6 @@ def commit(tree_tokens: list[int], parents: list[int], choices: list[int], push:
     taken = push(proposed) if score is None else push(proposed, score(rows, proposed))
     forced = 0
     if allowed is not None:
-        on_path = allowed[[0] + [1 + i for i in accepted]][:taken]  # [taken, V]
+        on_path = allowed[rows][:taken]  # [taken, V]
         forced = int((on_path.sum(-1) == 1).sum())
     return Commit(accepted, correction, proposed[:taken], forced)

@@ -204,12 +204,13 @@ class SchemaGrammars:
             # a tagged format's closing text must fit too (json's one "]}" token never counted:
             # kept so, its constrained outputs stay as recorded)
             tail = fmt.close if fmt.in_words else ""
-            calls = [fmt.serialize([{"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}])
-                     if fmt.bare is not None else
-                     dumps(fmt.call_object({"name": fn["name"], "arguments": minimal_value(fn.get("parameters"))}))
-                     + tail for fn in functions]
-            if alternative is not None:
-                calls.append(dumps(minimal_value(alternative.get("parameters"))))
+
+            def shortest(fn: dict, bare: bool) -> str:  # a structured output's object, or one call
+                args = minimal_value(fn.get("parameters"))
+                return dumps(args) if bare else dumps(fmt.call_object({"name": fn["name"], "arguments": args})) + tail
+
+            calls = [shortest(fn, fmt.bare is not None) for fn in functions]
+            calls += [shortest(alternative, True)] if alternative is not None else []
             longest = max((len(self.tokenizer(c, add_special_tokens=False).input_ids) for c in calls), default=0)
             close_at = max(base - longest, 0)
         return Constraint(self.xgr, self.cache[key], self.pieces, self.closers, close_at, enforce)

@@ -88,21 +88,14 @@ def tree_paths(tree_tokens: list[int], parents: list[int]) -> list[list[int]]:
 
 
 class Sampler:
-    """Turns target logits into one choice per node: argmax at temperature 0, else a draw,
-    both after ``SamplingParams``' bias and penalties (``adjust``)."""
+    """What a request's choices need beside the logits: its ``SamplingParams``, the bias and
+    penalties (``adjust``), the distribution a draw is from (``probs``) and the draws'
+    own generator (``draw``); ``verify.choose`` makes the choice, grammar included."""
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, **more) -> None:
         """``more``: the other ``SamplingParams`` fields."""
         self.params = SamplingParams(temperature, top_p, **more)
         self.generator = torch.Generator().manual_seed(seed)
-
-    @property
-    def temperature(self) -> float:
-        return self.params.temperature
-
-    @property
-    def top_p(self) -> float:
-        return self.params.top_p
 
     @property
     def greedy(self) -> bool:
@@ -162,13 +155,6 @@ class Sampler:
         if s.min_p > 0:
             p = p * (p >= s.min_p * p.max(-1, keepdim=True).values)
         return p / p.sum(-1, keepdim=True)
-
-    def choose(self, logits: torch.Tensor, history: History | None = None) -> list[int]:
-        """[N, V] raw logits -> one token per node; draws are independent across nodes and calls."""
-        logits = self.adjust(logits, history)
-        if self.greedy:
-            return logits.argmax(-1).tolist()
-        return self.draw(logits)
 
     def draw(self, logits: torch.Tensor) -> list[int]:
         """[N, V] adjusted (and masked) logits -> one independent draw per row."""

@@ -262,7 +262,8 @@ class MainSession:
             side_choice = logits[main_n:].argmax(-1).tolist()  # SIDE nodes are proposals: greedy, free
         self.counts.call_rows.append(rows)
         self.counts.call_ms.append(round(out.ms, 3))
-        score = None if self.stop.logprobs is None else (lambda rows, toks: logprobs(logits[rows], toks, self.top_logprobs))
+        score = None if self.stop.logprobs is None else \
+            (lambda rows, toks: logprobs(logits[rows], toks, self.top_logprobs))
         done = commit(tree_tokens, parents, main_choice, self.stop.push, call.allowed, score)
         accepted = done.accepted
         base = call.root_slot + 1  # committed MAIN continues right after the root

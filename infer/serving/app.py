@@ -74,7 +74,9 @@ def create_app(engine: Engine) -> FastAPI:
             loop, texts = asyncio.get_running_loop(), asyncio.Queue()
 
             def committed(ids: list[int], logprobs: list | None) -> None:
-                seen = (engine.text(ids, stops=chat.stops), list(ids), None if logprobs is None else list(logprobs))
+                # the ids only go along with their logprobs (copies: the decode goes on appending)
+                seen = (engine.text(ids, stops=chat.stops), *(((), None) if logprobs is None else
+                                                              (list(ids), list(logprobs))))
                 loop.call_soon_threadsafe(texts.put_nowait, seen)
 
             future = engine.submit(job, committed)

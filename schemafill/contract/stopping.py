@@ -55,7 +55,6 @@ class ResponseStop:
         self.reason: str | None = None  # closed | eos | stop | length
         self._parser = ToolCallParser(fmt)
         self._fed = ""
-        self._grown = 0  # characters the last token added to the parsed text
 
     @property
     def done(self) -> bool:
@@ -97,21 +96,20 @@ class ResponseStop:
 
     def _check(self) -> None:
         """After a non-EOS token: set ``reason`` if the text now ends the response."""
+        seen = len(self._fed)
         self._feed_text()
         if self.fmt.self_closing and self._parser.state.closed:
             self.reason = "closed"
-        elif self.stops and any(s in self._fed[-(len(s) + self._grown):] for s in self.stops):
+        elif any(s in self._fed[max(seen - len(s) + 1, 0):] for s in self.stops):  # only where new text ends it
             self.reason = "stop"
 
     def _feed_text(self) -> None:
         text = self.fmt.decode(self.tokenizer, self.ids)
-        self._grown = 0
         if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
             return
         if not text.startswith(self._fed):  # detokenization revised earlier text: parse afresh
             self._parser, self._fed = ToolCallParser(self.fmt), ""
         self._parser.feed(text[len(self._fed):])
-        self._grown = len(text) - len(self._fed)
         self._fed = text
 
 

@@ -1,8 +1,8 @@
 """The tool-call data contract every stage agrees on (docs/design.md, "Contracts").
 
 Owns ``ToolRequest`` (one OpenAI-style request: messages, tool catalog, optional
-reference calls, and for a structured output the schema its answer follows), its validation and normalisation, and the canonical
-validation of a response ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, whose text
+reference calls, and for a structured output the schema its answer follows), its validation and
+normalisation, and the canonical validation of a response ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, whose text
 ``response_format`` owns. Prompt rendering lives in ``prompt``; parsing a partial response
 in ``parser``.
 """

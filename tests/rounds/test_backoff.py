@@ -10,7 +10,7 @@ from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
 from infer.proposers.head import TreeBudget
 from infer.rounds import loop
-from infer.rounds.backoff import MEASURED, PRIOR_ROUNDS, PROBE_EVERY, DraftWorth, RoundRate, WorthPrior
+from infer.rounds.backoff import MEASURED, PRIOR_ROUNDS, PROBE_EVERY, DraftWorth, RoundRate
 from infer.rounds.decoding import DecodeOptions, Runtime
 from schemafill.contract.prompt import prompt_ids
 from schemafill.runtime.loading import load_target, load_tokenizer
@@ -32,11 +32,11 @@ def test_drafting_pays_while_its_gain_beats_what_its_time_costs_the_batch():
 
 
 def test_a_launchs_earlier_requests_weigh_as_prior_rounds():
-    prior = WorthPrior()
+    prior = DraftWorth()  # the launch's: every request's drafted rounds
     first = DraftWorth(prior)
     for committed in (5, 5, 5):  # 4 tokens beyond one, 2 ms each: the launch learns drafting pays
         first.drafted(committed=committed, ms=2.0)
-    assert (prior.rounds, prior.means()) == (3, (4.0, 2.0))
+    assert (prior.rounds, prior.gain, prior.ms) == (3, 4.0, 2.0)
     alone, shrunk = DraftWorth(), DraftWorth(prior)
     for w in (alone, shrunk):
         for _ in range(MEASURED):  # a request whose first rounds gain nothing (a value no draft knows)

@@ -64,8 +64,8 @@ def test_the_grammar_follows_decode_constrain_and_a_required_call(grammars):
 def test_sampling_settings_a_request_leaves_out_are_the_launchs(grammars):
     d = DecodeConfig(temperature=0.7, top_p=0.9, constrain="none")
     launch = request_options(d, lambda: grammars, [], seed=3)
-    assert (launch.sampler.temperature, launch.sampler.top_p) == (0.7, 0.9)
+    assert (launch.sampler.params.temperature, launch.sampler.params.top_p) == (0.7, 0.9)
     own = request_options(d, lambda: grammars, [], seed=3, sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 4},
                           stops=("\n",), logprobs=2)
-    assert own.sampler.greedy and own.sampler.top_p == 1.0 and own.sampler.params.top_k == 4
+    assert own.sampler.greedy and own.sampler.params.top_p == 1.0 and own.sampler.params.top_k == 4
     assert (own.stops, own.logprobs) == (("\n",), 2)

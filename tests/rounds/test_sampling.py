@@ -19,6 +19,7 @@ from infer.rounds.constraint import Constraint
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.sampling import History, Sampler, tree_paths
 from infer.rounds.tree import ROOT
+from infer.rounds.verify import choose
 from infer.slots.policy import SchemaFillConfig
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.runtime.drafter import Eagle3Head, HeadConfig
@@ -35,12 +36,12 @@ N = 1500  # samples per decoder
 
 def test_sampler_literal_cases():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
-    assert Sampler().choose(logits) == [1, 0]  # temperature 0: argmax
+    assert choose(logits, None, Sampler()) == [1, 0]  # temperature 0: argmax
     p = Sampler(temperature=1.0, top_p=0.6).probs(torch.log(torch.tensor([[0.5, 0.3, 0.2]])))
     assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0]]))  # the nucleus reaching 0.6, renormalised
     a, b = Sampler(1.0, seed=3), Sampler(1.0, seed=3)
-    assert [a.choose(logits) for _ in range(5)] == [b.choose(logits) for _ in range(5)]  # seeded
-    draws = Counter(Sampler(1.0, seed=0).choose(torch.log(torch.tensor([[0.7, 0.2, 0.1]] * 4000))))
+    assert [choose(logits, None, a) for _ in range(5)] == [choose(logits, None, b) for _ in range(5)]  # seeded
+    draws = Counter(choose(torch.log(torch.tensor([[0.7, 0.2, 0.1]] * 4000)), None, Sampler(1.0, seed=0)))
     assert abs(draws[0] / 4000 - 0.7) < 0.03 and abs(draws[2] / 4000 - 0.1) < 0.02
     with pytest.raises(ValueError):
         Sampler(temperature=-1.0)
@@ -59,7 +60,8 @@ def test_bias_and_penalties_literal_cases():
     assert torch.allclose(out, torch.tensor([[1.0, 1.0, -1.0, 0.25], [1.0, 1.0, -2.0, 0.25],
                                              [1.0, 1.0, -2.0, 0.25]]))
     biased = Sampler(logit_bias=((0, -5.0), (3, 2.0)))
-    assert biased.choose(logits) == [3, 3, 3] and not Sampler().params.shapes_logits and biased.params.shapes_logits
+    assert choose(logits, None, biased) == [3, 3, 3]
+    assert not Sampler().params.shapes_logits and biased.params.shapes_logits
     with pytest.raises(ValueError, match="history"):
         Sampler(presence_penalty=1.0).adjust(logits)  # a penalty without the tokens before each row
     p = Sampler(1.0, top_k=2).probs(torch.log(torch.tensor([[0.5, 0.3, 0.2]])))

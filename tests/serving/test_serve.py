@@ -32,8 +32,8 @@ TARGET = ["model.finetune=false", "model.aux_layer_ids=[1,2,3]", "decode.max_new
 def served(tiny_target, tiny_head, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("serve")
     cfg = to_dataclass(compose([f"model.source={tiny_target}", f"head={tiny_head}", f"paths.artifacts={tmp}",
-                                f"decode.cost_cache={tmp / 'cost'}", "methods=[ar,eagle3,ngram,suffix,toolspec]", "max_batch=2",
-                                "queue_size=2", *TARGET],
+                                f"decode.cost_cache={tmp / 'cost'}", "methods=[ar,eagle3,ngram,suffix,toolspec]",
+                                "max_batch=2", "queue_size=2", *TARGET],
                                config_name="serve"), ServeConfig)
     engine = Engine(cfg)
     with BackgroundServer(engine) as server:

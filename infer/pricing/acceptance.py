@@ -32,7 +32,7 @@ PRIORS = {"pack_bridge": 0.9, "side_bridge": 0.9, "side_value": 0.8, "side_provi
           # branch's unclosed value (the branch may be about to close it)
           "pack_close_string": 0.2, "pack_close_number": 0.4, "side_close_string": 0.4, "side_close_number": 0.5,
           # a copy by how many tokens before it agree with the committed text (decoders/slot_parallel.py)
-          **{f"{kind}{m}": q for kind in ("copy_prompt", "copy_value", "copy_response", "copy_other")
+          **{f"{kind}{m}": q for kind in ("copy_prompt", "copy_value", "copy_response", "copy_other", "copy_text")
              for m, q in ((1, 0.2), (2, 0.3), (4, 0.5), (8, 0.7), (16, 0.8))}}
 
 

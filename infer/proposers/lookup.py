@@ -13,8 +13,12 @@ proposes such spans for free. Three matching rules live here:
   same rule with n_min = 1).
 * ``first_matches`` — ToolSpec's retrieval rule: n-grams of n_max down to n_min, every
   occurrence earliest first, in a source other than the context.
+* ``text_copies`` — SchemaFill's copies of an open value by its *text*: a JSON string's words
+  follow a quote, not the space they follow in the request's prose, so they are other tokens
+  ("Seattle" after a quote is ``Se`` ``attle``, after a space `` Seattle``) and token lookup
+  misses the copy that text lookup finds.
 
-Pure: lists of token ids in, lists out.
+Pure: lists of token ids (or strings) in, lists out.
 """
 
 from __future__ import annotations
@@ -88,3 +92,51 @@ def first_matches(context: list[int], source: list[int], n_min: int, n_max: int)
         for start in range(len(source) - n):
             if source[start:start + n] == tail:
                 yield start + n
+
+
+NUMBER_CHARS = frozenset("0123456789.eE+-")
+
+
+def text_copies(written: str, source: str, kind: str, length: int = 64, most: int = 3, reach: int = 32
+                ) -> list[tuple[str, int]]:
+    """Up to ``most`` continuations of an open value, of ``kind`` string or number, whose text
+    so far is ``written``: the text after occurrences in ``source`` of written's longest suffix
+    (at most ``reach`` characters), with how many characters matched. Where the whole value
+    so far matches, an occurrence that starts a word comes first (a value copies a word, not
+    the inside of one); then the latest first, each unless an earlier one already starts
+    with it. A string's copy stops before a quote or a line break, a number's at its first
+    character that no number has, and each at ``length`` characters; nothing is proposed
+    when the longest suffix found is followed by nothing a value may go on with (the value
+    ends there, in every copy)."""
+    for n in range(min(reach, len(written)), 0, -1):
+        tail = written[-n:]
+        starts = []
+        at = source.rfind(tail)
+        while at >= 0:
+            starts.append(at)
+            at = source.rfind(tail, 0, at + n - 1) if at else -1
+        if not starts:
+            continue
+        if n == len(written):  # word starts first, each group latest first (a stable sort)
+            starts.sort(key=lambda a: a > 0 and source[a - 1].isalnum())
+        found: list[tuple[str, int]] = []
+        for a in starts:
+            copied = _value_text(source[a + n:a + n + length], kind)
+            if copied and all(not c.startswith(copied) for c, _ in found):
+                found.append((copied, n))
+                if len(found) == most:
+                    break
+        return found
+    return []
+
+
+def _value_text(text: str, kind: str) -> str:
+    """The longest prefix of ``text`` that may go on a value of ``kind``."""
+    end = 0
+    if kind == "number":
+        while end < len(text) and text[end] in NUMBER_CHARS:
+            end += 1
+    else:
+        while end < len(text) and text[end] not in '"\n':
+            end += 1
+    return text[:end]

@@ -45,7 +45,11 @@ Decisions where the paper is silent:
   tokens after the committed text's longest suffix in the prompt and in the response so far:
   values are mostly copied from the request, and a small target's responses repeat
   themselves. The response's copy runs on through its own tokens, so a response caught in
-  a loop is proposed ``copy_len`` tokens ahead. SIDE branches get no copies.
+  a loop is proposed ``copy_len`` tokens ahead. Inside a string or number, the value's text
+  so far is also looked up in the prompt's text (``lookup.text_copies``) and the text after
+  it proposed, tokenised as the response would be: a value's words follow a quote, the
+  request's a space, so they are other tokens and the token copies miss them. SIDE branches
+  get no copies.
 * ``guess_ends``: the packer closes an open value where its text may stop, and where a chain
   goes on to a next call, the response's end is proposed beside it.
 * SIDE rows are spent only while they pay: a launch-wide ledger measures the tokens MAIN
@@ -62,7 +66,7 @@ from typing import Any, Generator
 from infer.pricing.acceptance import PRIOR_STRENGTH
 from infer.pricing.budget import NodeBudget
 from infer.proposers.head import HeadDrafter, TreeBudget
-from infer.proposers.lookup import copy_matches
+from infer.proposers.lookup import copy_matches, text_copies
 from infer.rounds.candidates import Candidates
 from infer.rounds.loop import Drafting, Proposal
 from infer.rounds.phases import Phases
@@ -86,7 +90,8 @@ def copy_source(kind: str, matched: int) -> str:
     3-7, 8-15, 16+): a copy after a long agreement (a value quoted from the request, a
     response repeating itself) holds far more often than one after a lone token. A copy
     from the prompt inside a value (``copy_value``) and outside one (``copy_prompt``, where
-    the prompt's schema text rarely is what comes) are learnt apart too."""
+    the prompt's schema text rarely is what comes) are learnt apart too, and a value's text
+    copy (``copy_text``) by the characters matched."""
     bucket = next(b for b, top in ((1, 1), (2, 2), (4, 7), (8, 15), (16, None)) if top is None or matched <= top)
     return f"{kind}{bucket}"
 
@@ -137,8 +142,8 @@ class SchemaFillConfig:
         return self.max_branches * (64 + self.max_value_tokens) if self.sides else 0
 
     @property
-    def scratch(self) -> int:  # MAIN tree rows: the head's, two packed chains, three copies
-        return self.budget.total + 2 * self.max_chain + 3 * self.copy_len
+    def scratch(self) -> int:  # MAIN tree rows: the head's, two packed chains, three token and two text copies
+        return self.budget.total + 2 * self.max_chain + 5 * self.copy_len
 
 
 @dataclass
@@ -174,6 +179,7 @@ class SlotDrafting(Drafting):
         self.cfg, self.drafter, self.ledger, self.tokenizer, self.eos, self.fmt = \
             cfg, drafter, ledger, tokenizer, eos, fmt
         self.request, self.prompt, self.groups, self.values = request, prompt, groups, values
+        self.prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)  # what text copies read
         self.scratch, self.side_capacity = cfg.scratch, cfg.side_capacity
         self.functions = {fn["name"]: fn for fn in request.slot_functions}
         self.plans: list[CallPlan] = []
@@ -320,6 +326,11 @@ class SlotDrafting(Drafting):
                 for rank, (copied, matched) in enumerate(copy_matches(s.tokens, source, length=cfg.copy_len,
                                                                       overlap=own, most=2 if own else 1)):
                     parts.append(Candidates.chain(copied, copy_source(kind if not rank else "copy_other", matched)))
+            if state.literal is not None:  # the open value by its text: it follows a quote, the prose a space
+                kind, written = state.literal
+                for copied, matched in text_copies(written, self.prompt_text, kind, length=4 * cfg.copy_len):
+                    ids = continuation_ids(self.tokenizer, s.response, text, copied, self.fmt)[: cfg.copy_len]
+                    parts.append(Candidates.chain(ids, copy_source("copy_text", matched)))
         certain = False
         if plans:
             ahead = self.side.provisional(plans) if cfg.pack_provisional else None

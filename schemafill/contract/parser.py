@@ -44,6 +44,9 @@ class ParseState:
     in_value: bool = False  # inside an argument value literal (any depth)
     value_type: str | None = None  # JSON type of the open value: string|number|boolean|null|object|array
     value_start: int | None = None  # offset of the first character of the current/last value
+    # the innermost open string or number inside the value, as (string|number, its text so far,
+    # JSON escapes kept; a string's without its quote), else None
+    literal: tuple[str, str] | None = None
     fields_done: tuple[str, ...] = ()  # keys of the current call whose values have closed
     spans: tuple[tuple[str, int, int], ...] = ()  # (key, start, end) of those values' literals
     call_start: int | None = None  # offset of the current call's "{" (None outside a call)
@@ -410,11 +413,19 @@ class ToolCallParser:
             in_value=in_value,
             value_type=self._value_type if in_value else None,
             value_start=self._value_start if in_args else None,
+            literal=self._open_literal() if in_value else None,
             fields_done=tuple(call.fields_done) if call else (),
             spans=tuple(call.spans) if call else (),
             call_start=call.start if call else None,
             last_call_end=next((c.end for c in reversed(self._calls) if c.end is not None), None),
         )
+
+
+    def _open_literal(self) -> tuple[str, str] | None:
+        scalar = self._scalar
+        if scalar is None or scalar[0] == "literal" or (scalar[0] == "string" and scalar[2]["is_key"]):
+            return None
+        return scalar[0], "".join(scalar[1])
 
 
 def parse_prefix(text: str, fmt: ResponseFormat = JSON) -> ParseState:

@@ -127,11 +127,13 @@ def test_literal_states_along_a_response():
     assert at('"name": "spot').tool_name is None and at('"name": "spot').call_index == 0
     assert at('"spotify.play"').tool_name == "spotify.play"
     s = at('"artist": "Tay')
-    assert (s.field, s.in_value, s.value_type) == ("artist", True, "string")
+    assert (s.field, s.in_value, s.value_type, s.literal) == ("artist", True, "string", ("string", "Tay"))
+    assert at('"artist": "').literal == ("string", "") and at('"arti').literal is None  # a key is no value
     s = at('"Taylor Swift"')
     assert (s.field, s.in_value, s.fields_done) == ("artist", False, ("artist",))
     s = at('"duration": 20')
     assert (s.field, s.in_value, s.value_type) == ("duration", True, "number")  # 20 may go on: 200
+    assert s.literal == ("number", "20") and at('"Taylor Swift"').literal is None
     s = at('"duration": 20}')
     assert (s.field, s.in_value, s.fields_done) == (None, False, ("artist", "duration"))
     assert parse_prefix(text).closed and not at('}}').closed
@@ -175,3 +177,12 @@ def test_nested_keys_do_not_change_the_field():
     state = parse_prefix(text)
     assert (state.field, state.in_value, state.value_type) == ("outer", True, "object")
 
+
+
+def test_the_open_literal_is_the_innermost_string_or_number():
+    text = '{"tool_calls": [{"name": "f", "arguments": {"cities": ["Lima", "Qu'
+    assert parse_prefix(text).literal == ("string", "Qu")  # inside the array's second element
+    assert parse_prefix(text[:-4]).literal is None  # between the elements
+    assert parse_prefix('{"tool_calls": [{"name": "f", "arguments": {"a": {"b": -1.5').literal == ("number", "-1.5")
+    assert parse_prefix('{"tool_calls": [{"name": "f", "arguments": {"a": "x\\"').literal == ("string", 'x\\"')
+    assert parse_prefix('{"tool_calls": [{"name": "f", "arguments": {"a": tr').literal is None  # true: no copy

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from infer.decoders import slot_parallel
+from infer.pricing.budget import NodeBudget
 from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
 from infer.rounds.constraint import SchemaGrammars, valid_response
 from infer.rounds.decoding import DecodeOptions, Runtime
@@ -96,3 +97,23 @@ def test_structured_outputs_are_lossless_valid_and_drafted_as_slots(base_target)
     assert primed["schemafill"].ids == ar.ids
     assert primed["schemafill"].target_calls * 2 <= ar.target_calls, (primed["schemafill"].target_calls,
                                                                       ar.target_calls)
+
+
+def test_values_are_copied_from_the_request_by_their_text(base_target):  # noqa: F811
+    """A string value's words follow a quote, the request's a space: other tokens, which the
+    text copies find where token copies cannot ("Spr" -> "ingfield" from " Springfield")."""
+    target, tok, eos = base_target
+    req = structured("route: from Springfield to Riverside; passengers: Alexander Hamilton, Eliza Schuyler; seats: 2")
+    grammars = SchemaGrammars(tok, target.config.vocab_size, JSON, eos)
+    fmt = req.response_format(JSON)
+    ids = prompt_ids(req, "plain", tok)
+    ar = decode_ar(target, tok, ids, 64, eos, constraint=grammars.constraint(req.slot_functions, True, fmt=fmt),
+                   fmt=fmt)
+    assert "Springfield" in ar.text and "Hamilton" in ar.text  # the values it copies
+    budget = NodeBudget()  # no SIDE branches (stage B): MAIN's own proposals only
+    sf = slot_parallel.declare(Runtime(target, tok, eos, 64), random_head(target),
+                               SchemaFillConfig(budget=SCHEMAFILL_BUDGET, ablation="B"), budget)
+    out = sf.decode(req, ids, DecodeOptions(constraint=grammars.constraint(req.slot_functions, True, fmt=fmt)))
+    assert out.ids == ar.ids
+    copied = sum(n for source, n in budget.stats.accepted.items() if source.startswith("copy_text"))
+    assert copied >= 4, budget.stats.table()

@@ -13,7 +13,7 @@ import torch
 from infer.decoders import ngram, suffix, toolspec
 from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
-from infer.proposers.lookup import copy_match, copy_matches, first_matches, ngram_lookup
+from infer.proposers.lookup import copy_match, copy_matches, first_matches, ngram_lookup, text_copies
 from infer.proposers.retrieval import RetrievalStore
 from infer.proposers.suffix import SuffixProposer
 from infer.proposers.suffix_tree import SuffixTree
@@ -61,6 +61,27 @@ def test_a_copy_knows_how_long_its_match_is_and_what_else_followed_the_same_text
     assert copy_matches([1, 2, 3], twice, length=1) == [([7], 3)]
     loop = [4, 1, 2, 1, 2, 1, 2]  # a response in a loop agrees far back (capped at ``reach``)
     assert copy_match([9] + loop, loop, length=3, overlap=True, reach=4) == ([1, 2, 1], 4)
+
+
+def test_text_copies_continue_an_open_value_from_the_requests_text():
+    source = 'Fly from Seattle, WA to Boston on "Seaside" tickets: 5000 miles, 30% off.\nOther'
+    # the value so far matches at two word starts: the latest first, each copy to a quote
+    assert text_copies("Se", source, "string") == [('aside', 2), ("attle, WA to Boston on ", 2)]
+    assert text_copies("Sea", source, "string") == [("side", 3), ("ttle, WA to Boston on ", 3)]
+    assert text_copies("Seat", source, "string", length=6) == [("tle, W", 4)]
+    assert text_copies("to B", source, "string") == [("oston on ", 4)]
+    # a number's copy stops at its first character no number has; a word start comes before
+    # the inside of a word ("5000" starts one, "30%" too: "0" after "3" in "30" is inside it)
+    assert text_copies("50", source, "number") == [("00", 2)]
+    assert text_copies("3", source, "number") == [("0", 1)]
+    # the longest suffix decides: "xSe" is nowhere, "Se" is; nothing may follow "30%"'s "%"
+    assert text_copies("xSe", source, "string") == [("aside", 2), ("attle, WA to Boston on ", 2)]
+    assert text_copies("30", source, "number") == []
+    assert text_copies("ff.", source, "string") == []  # a line break ends a string's copy
+    assert text_copies("", source, "string") == [] and text_copies("zz", source, "string") == []
+    # a copy that an earlier one starts with adds nothing to the tree: it is not proposed
+    assert text_copies("a", 'a b" a b c', "string") == [(" b c", 1)]
+    assert text_copies("a", "a b. a b c", "string", most=1) == [(" b c", 1)]
 
 
 def test_ngram_lookup_longest_ngram_earliest_occurrence():

@@ -21,8 +21,10 @@ The same price decides whether the head drafts at all in a round: its catch-up a
 level cost a head forward of milliseconds, and a head whose drafts the target rarely takes
 (measured: the head's tokens on the accepted path per round it drafted) is skipped while
 those tokens are worth less than its time, drafting one round in ``SKIP_AT_MOST + 1`` to
-keep measuring (never the first round of a request: SIDE drafts read the prompt's head
-entries its first catch-up writes). A skipped round's target features wait for the next
+keep measuring — from a request's first round on, whose catch-up over the whole prompt is
+the dearest forward (a structured output the head was never trained on is done before its
+first probe), unless SIDE drafts read the prompt's head entries that catch-up writes
+(``prompt_first``). A skipped round's target features wait for the next
 catch-up, so the head's KV is the same whenever it drafts.
 
 Scratch head slots start right after the committed ones and are overwritten by the next
@@ -180,8 +182,10 @@ class HeadDrafter:
     requests share the head, its pricing and its ``HeadTimes``."""
 
     def __init__(self, head: Eagle3Head, budget: TreeBudget, price: LevelPrice | None = None,
-                 times: HeadTimes | None = None) -> None:
+                 times: HeadTimes | None = None, prompt_first: bool = False) -> None:
         self.head, self.budget, self.price = head, budget, price  # price None: every level is drafted
+        # SIDE contexts read the prompt's head entries: such a request's first catch-up is never skipped
+        self.prompt_first = prompt_first
         self.times = times or HeadTimes()
         self.device = head.fc.weight.device
         self.draft_to_target = head.draft_to_target.tolist()
@@ -248,8 +252,8 @@ class HeadDrafter:
         (given its parent): what cost-aware selection reads as its acceptance estimate."""
         price, times = self.price, self.times
         self.drafted = False
-        if price is not None and self.done and self.skipped < SKIP_AT_MOST and times.round_ms \
-                and not price.head_worth(times.round_ms):
+        if price is not None and (self.done or not self.prompt_first) and self.skipped < SKIP_AT_MOST \
+                and times.round_ms and not price.head_worth(times.round_ms):
             self.waiting.append(new_aux)
             self.skipped += 1
             return Candidates()

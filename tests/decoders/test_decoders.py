@@ -192,10 +192,22 @@ def test_a_head_not_worth_its_time_skips_rounds_and_catches_up_on_all_it_skipped
         assert skipping.drafted == (len(got) > 0)
         if len(got):  # a round it drafts: the same tree as a head that never skipped
             assert (got.tokens, got.parents, got.sources) == (expect.tokens, expect.parents, expect.sources)
-    # the first round always drafts (SIDE drafts read its prompt entries), then SKIP_AT_MOST
-    # skipped rounds, then one to keep measuring
+    # the launch's first round drafts (nothing is measured yet), then SKIP_AT_MOST skipped
+    # rounds, then one to keep measuring
     assert [n > 0 for n in trees] == [True] + [False] * SKIP_AT_MOST + [True, False]
     assert drafted == 2
+    # the next request, once the head is measured not worth its time, skips from its first
+    # round on (its catch-up over the whole prompt is the dearest forward) — unless SIDE
+    # drafts read the prompt's head entries that catch-up writes
+    for prompt_first in (False, True):
+        nxt = HeadDrafter(head, TreeBudget(2, 2, 6), price, skipping.times, prompt_first=prompt_first)
+        nxt.begin(64)
+        first = nxt.candidates(tokens[: p + 1], aux[:p])
+        assert (len(first) > 0, nxt.forwards > 0) == (prompt_first, prompt_first)
+        if not prompt_first:
+            for r in range(1, SKIP_AT_MOST + 1):  # the probe catches up on everything skipped
+                got = nxt.candidates(tokens[: p + r + 1], aux[p + r - 1: p + r])
+            assert len(got) > 0 and nxt.done == p + SKIP_AT_MOST
 
 
 @pytest.mark.skipif(not possible(torch.bfloat16), reason="no batch-invariant bf16 forward on this host")

@@ -22,7 +22,7 @@ from infer import decoders
 from infer.decoders.context import DecoderContext
 from infer.eval.metrics import pooled
 from infer.rounds import loop
-from infer.rounds.constraint import SchemaGrammars, valid_response
+from schemafill.runtime.grammar import SchemaGrammars, valid_response
 from infer.rounds.decoding import DecodeOptions
 from infer.rounds.options import request_options
 from schemafill import atomic

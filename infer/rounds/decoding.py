@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from infer.rounds.constraint import Constraint
+from schemafill.runtime.grammar import Constraint
 from infer.rounds.sampling import Sampler
 from schemafill.contract.response_format import JSON, ResponseFormat
 from schemafill.contract.stopping import Logprob, ResponseStop

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from infer.rounds.constraint import SchemaGrammars
+from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import DecodeOptions
 from infer.rounds.sampling import Sampler
 from schemafill.config import DecodeConfig

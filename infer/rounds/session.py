@@ -23,7 +23,7 @@ import torch
 from infer.rounds.arena import ArenaLayout
 from infer.rounds.call import Call, Output, Segment
 from infer.rounds.commit import commit
-from infer.rounds.constraint import Constraint
+from schemafill.runtime.grammar import Constraint
 from infer.rounds.decoding import Decoded
 from infer.rounds.forward import run_alone
 from infer.rounds.sampling import History, Sampler, tree_paths

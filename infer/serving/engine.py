@@ -26,7 +26,7 @@ from typing import Callable
 
 from infer import decoders
 from infer.decoders.context import DecoderContext
-from infer.rounds.constraint import SchemaGrammars
+from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import Decoded, DecodeOptions
 from infer.rounds.loop import Batch, Stream
 from infer.rounds.options import request_options

@@ -97,7 +97,7 @@ def test_the_parser_sees_the_same_structure_through_either_wrapper(fmt):
 
 
 def test_valid_calls_are_checked_against_the_catalog_in_either_format():
-    from infer.rounds.constraint import valid_response
+    from schemafill.runtime.grammar import valid_response
 
     catalog = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}]

@@ -13,7 +13,7 @@ import torch
 from infer.decoders import slot_parallel
 from infer.pricing.budget import NodeBudget
 from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
-from infer.rounds.constraint import SchemaGrammars, valid_response
+from schemafill.runtime.grammar import SchemaGrammars, valid_response
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.slots.policy import SchemaFillConfig
 from schemafill.contract.parser import parse_prefix

@@ -19,7 +19,7 @@ from infer.proposers.suffix import SuffixProposer
 from infer.proposers.suffix_tree import SuffixTree
 from infer.proposers.token_recycling import RecyclingTable, template_tree
 from infer.proposers.toolspec import SchemaFSM, retrieval_candidates
-from infer.rounds.constraint import SchemaGrammars
+from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.tree import ROOT, depths
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig

@@ -13,7 +13,7 @@ from infer.pricing.cost_model import CostModel
 from infer.pricing.selection import select
 from infer.proposers.head import SCHEMAFILL_BUDGET, TreeBudget
 from infer.rounds import loop
-from infer.rounds.constraint import SchemaGrammars
+from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.sampling import Sampler
 from infer.rounds.share import Share

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from infer.rounds.constraint import SchemaGrammars
+from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.options import request_options
 from schemafill.config import DecodeConfig
 

@@ -15,7 +15,7 @@ from infer.decoders import ngram, slot_parallel, suffix, toolspec
 from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
 from infer.proposers.head import HeadDrafter, TreeBudget
-from infer.rounds.constraint import Constraint
+from schemafill.runtime.grammar import Constraint
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.sampling import History, Sampler, tree_paths
 from infer.rounds.tree import ROOT

@@ -8,7 +8,7 @@ import torch
 
 from infer.decoders import ngram, slot_parallel, suffix, toolspec
 from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
-from infer.rounds.constraint import SchemaGrammars, minimal_value, response_schema, valid_response
+from schemafill.runtime.grammar import SchemaGrammars, minimal_value, response_schema, valid_response
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.tree import ROOT
 from infer.slots.policy import SchemaFillConfig

@@ -1,5 +1,6 @@
-"""Schema-constrained choice (``decode.constrain=schema``): which tokens the response grammar
-allows at the committed state and at every node of a draft tree.
+"""The response grammar: which tokens a response may take next, at its committed state
+and at every node of a draft tree (decoding under ``decode.constrain=schema`` or a
+structured output, and generating the continuations a head learns structured outputs from).
 
 The grammar is the response format the targets are trained to write, compiled per request
 catalog with xgrammar (vLLM's and SGLang's engine; it compiles a catalog in milliseconds, matches
@@ -35,9 +36,10 @@ from typing import Any
 
 import torch
 
-from infer.rounds.tree import ROOT
 from schemafill.contract import schemas
 from schemafill.contract.response_format import JSON, KEY, SEPARATORS, ResponseFormat, dumps, object_format
+
+ROOT = -1  # the parent of a draft tree's top nodes (as in ``infer/rounds/tree.py``)
 
 
 def call_schemas(functions: list[dict], fmt: ResponseFormat = JSON) -> list[dict]:

@@ -2,10 +2,13 @@
 
 An EAGLE-3 head learns to predict *its target's* next tokens, so it trains on what the
 target writes, not on the corpus' answers. Every training request (plus fresh multi-call
-compositions, so the head sees multi-call responses like the evaluation sets') is
+compositions, so the head sees multi-call responses like the evaluation sets', and
+structured-output variants, so it sees answers that are one object under a JSON schema) is
 rendered in the target's prompt format and answered greedily on the inference runtime,
 under the shared stopping rule, with continuous batching and shared prompt prefixes
-(``schemafill.runtime.generation``).
+(``schemafill.runtime.generation``). A structured output is answered under its schema's
+grammar, as it is served; where the grammar chose a token against the target's own greedy
+choice the row carries no loss: the head learns the target's choices, the grammar makes its own.
 
 Resumable and scalable by construction: requests are sorted by prompt (so neighbours share
 prefixes) and cut into fixed shards (their content depends only on the request list and
@@ -39,12 +42,15 @@ from schemafill.config import PipelineConfig, to_dict
 from schemafill.contract.compose import compositions
 from schemafill.contract.prompt import model_prompt_ids
 from schemafill.contract.records import read_requests
-from schemafill.contract.response_format import JSON, ResponseFormat
+from schemafill.contract.response_format import JSON, ResponseFormat, object_format
+from schemafill.contract.stopping import ResponseStop
 from schemafill.contract.toolcall import ToolRequest, parse_response
+from data_gen.splits import structured_set
 from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
 from schemafill.runtime.device import resolve_device
 from schemafill.runtime.feature_cache import FEATURES, FeatureCache, RowFeatures
 from schemafill.runtime.generation import generate
+from schemafill.runtime.grammar import SchemaGrammars
 from schemafill.runtime.loading import decode_choice, generation_eos, load_runtime, load_tokenizer, target_location
 
 OUTPUTS = ["dataset_info.json", "stats.json"]
@@ -67,7 +73,9 @@ def pool(cfg: PipelineConfig) -> list[ToolRequest]:
     # a different seed from the target's fine-tune: fresh draws, not the SFT compositions again
     composed = compositions(referenced, int(len(requests) * gen.compositions), seed=cfg.seed + 1000,
                             prefix="cont_composed")
-    return requests + composed
+    count = min(int(len(requests) * gen.structured), len(referenced))
+    structured = structured_set(random.Random(cfg.seed + 2000).sample(referenced, count))
+    return requests + composed + structured
 
 
 def prompts_for(requests: list[ToolRequest], tokenizer: Any, cfg: PipelineConfig) -> tuple[list, dict]:
@@ -125,9 +133,11 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
     def done(k: int, g: Any) -> None:
         s, j = stream[k]
         r, ids = requests[j], prompts[j]
-        rows[s].append({"id": r.id, "input_ids": ids + g.ids, "loss_mask": [0] * len(ids) + [1] * len(g.ids),
+        learnt = [int(f) for f in g.free] if g.free is not None else [1] * len(g.ids)  # the target's own choices
+        rows[s].append({"id": r.id, "input_ids": ids + g.ids, "loss_mask": [0] * len(ids) + learnt,
                         "prompt_len": len(ids), "response_text": g.text, "stop": g.stop,
-                        "composed": r.source == "composed", "prefilled": g.prefilled})
+                        "composed": r.source == "composed", "prefilled": g.prefilled,
+                        "output": r.output["name"] if r.object_only else None})
         if capture:
             captured[s][r.id] = {"aux": g.aux, "final": g.final}
         left[s] -= 1
@@ -150,9 +160,25 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
         stopped = bool(budget) and k in opens and time.perf_counter() - clock["start"] > budget
         return not stopped
 
-    generate(target, tokenizer, [prompts[j] for _, j in stream], cfg.decode.max_new_tokens,
-             cfg.data.continuations.batch_size, eos=eos, on_done=done, capture=capture,
-             fmt=cfg.model.fmt, admit=admit)
+    # a structured output is answered under its schema's grammar, as it is served
+    fmt, cap = cfg.model.fmt, cfg.decode.max_new_tokens
+    grammars = None
+
+    def constrain(k: int) -> Any:
+        nonlocal grammars
+        r = requests[stream[k][1]]
+        if not r.object_only:
+            return None
+        if grammars is None:
+            grammars = SchemaGrammars(tokenizer, target.config.vocab_size, fmt, eos)
+        return grammars.constraint([r.output_function], True, fmt=r.response_format(fmt),
+                                   close_at=cap - cfg.decode.close_margin if cfg.decode.close_margin else None)
+
+    def make_stop(k: int) -> ResponseStop:
+        return ResponseStop(tokenizer, eos, cap, fmt=requests[stream[k][1]].response_format(fmt))
+
+    generate(target, tokenizer, [prompts[j] for _, j in stream], cap, cfg.data.continuations.batch_size, eos=eos,
+             on_done=done, capture=capture, fmt=fmt, admit=admit, make_stop=make_stop, constrain=constrain)
     return stopped
 
 
@@ -174,7 +200,7 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     gen = to_dict(cfg.data.continuations)
     inputs = {"model": model_key, "target": target_fp, "gen": {k: v for k, v in gen.items() if k != "max_minutes"},
               "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
-              "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 3}
+              "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 4}
     shards_fp = fingerprint(inputs)  # what a shard's rows depend on: not the budget, so a larger one resumes
     fp = fingerprint({**inputs, "max_minutes": gen["max_minutes"]})
     outputs = OUTPUTS + ([f"{FEATURES}/meta.json"] if cfg.data.continuations.features else [])
@@ -246,7 +272,7 @@ def merge(work: Path, shards: list[int], requests: int, out: Path, wall: float, 
         rows += [json.loads(line) for line in lines[1:]]
     rows.sort(key=lambda r: r["id"])  # one order whatever the process count or shard timing
     n = max(len(rows), 1)
-    response_tokens = sum(sum(r["loss_mask"]) for r in rows)
+    response_tokens = sum(len(r["input_ids"]) - r["prompt_len"] for r in rows)
     reasons: dict[str, int] = {}
     for s in skipped:
         reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
@@ -255,9 +281,13 @@ def merge(work: Path, shards: list[int], requests: int, out: Path, wall: float, 
         "requests": requests,
         "mean_prompt_tokens": sum(r["prompt_len"] for r in rows) / n,
         "mean_response_tokens": response_tokens / n,
-        "valid_json_rate": sum(parse_response(r["response_text"].strip(), fmt) is not None for r in rows) / n,
+        "valid_json_rate": sum(parse_response(r["response_text"].strip(), object_format(r["output"]) if r.get("output")
+                                              else fmt) is not None for r in rows) / n,
         "empty_rate": sum(not r["response_text"].strip() for r in rows) / n,
         "composed_share": sum(r["composed"] for r in rows) / n,
+        "structured_share": sum(bool(r.get("output")) for r in rows) / n,
+        # response tokens where a grammar chose against the target: no loss there
+        "grammar_chosen_tokens": sum(len(r["input_ids"]) - r["prompt_len"] - sum(r["loss_mask"]) for r in rows),
         "stops": {s: sum(r["stop"] == s for r in rows) for s in ("closed", "eos", "length")},
         "skipped": len(skipped),
         "skipped_by_reason": reasons,

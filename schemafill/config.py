@@ -69,6 +69,9 @@ class ContinuationsConfig:
     batch_size: int = 8  # requests per left-padded generation batch
     shard_size: int = 64  # requests per resumable shard
     compositions: float = 0.25  # multi-call compositions added, as a share of the pool size
+    # structured-output variants added (a referenced request answered as one object under its
+    # first call's tool schema, generated under that grammar), as a share of the pool size
+    structured: float = 0.15
     max_requests: int = 0  # use only the first N training requests (0 = all)
     max_prompt_tokens: int = 0  # skip (and count) longer prompts; 0 = only the context limit applies
     # a time budget (0 = none): past it no new shard starts, the ones under way finish, and the

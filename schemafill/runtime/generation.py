@@ -18,6 +18,10 @@ wasted inside it:
   it takes over that very row) and prefills only the rest. On the BFCL training pool this
   skips about half of all prompt tokens.
 
+Under a grammar (``constrain``: structured outputs) each token is the target's greedy choice
+among the tokens the grammar allows, and a generation says where the grammar chose against
+the target (``Generation.free``): a head learns the target's choices, not the grammar's.
+
 With ``capture=True`` each generation also carries the target's features of its own tokens
 (aux hidden states, final hidden state, argmax: what an EAGLE-3 head trains on), taken from
 the forwards that produced it, so nobody has to run the target over the rows again.
@@ -47,6 +51,8 @@ class Generation:
     # final of positions P-1..L-2 (P prompt, L prompt + response tokens); their argmax is ids
     aux: torch.Tensor | None = None  # [L-1, 3·H]
     final: torch.Tensor | None = None  # [L-P, H]
+    # per response token: is it the target's own greedy choice (False where a grammar masked that one)
+    free: list[bool] | None = None
 
 
 @dataclass
@@ -58,6 +64,8 @@ class _Row:
     prefilled: int
     aux: list[torch.Tensor] | None = None  # captured chunks, [n, 3·H] each
     final: list[torch.Tensor] | None = None  # [n, H] each
+    constraint: Any = None  # the grammar its tokens are chosen under (``grammar.Constraint``), or None
+    free: list[bool] | None = None
 
 
 def prefix_order(prompts: list[list[int]]) -> list[int]:
@@ -79,7 +87,8 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
              eos: frozenset[int] | None = None,
              on_done: Callable[[int, Generation], None] | None = None,
              make_stop: Callable[[int], Any] | None = None, capture: bool = False,
-             fmt: ResponseFormat = JSON, admit: Callable[[int], bool] | None = None) -> list[Generation | None]:
+             fmt: ResponseFormat = JSON, admit: Callable[[int], bool] | None = None,
+             constrain: Callable[[int], Any] | None = None) -> list[Generation | None]:
     """Greedy responses for every prompt (admitted in the given order), returned in input
     order; ``on_done(index, generation)`` is called as each one finishes. ``make_stop(index)``
     replaces the response stopping rule with another object of ``ResponseStop``'s interface
@@ -87,7 +96,8 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
     do. ``capture`` keeps each token's
     features (``Generation.aux``, ``.final``); with ``on_done`` only the callback sees them.
     ``admit(index)`` False stops admissions there: the rows under way finish, and the prompts
-    from that one on stay ``None`` (a time budget)."""
+    from that one on stay ``None`` (a time budget). ``constrain(index)``: the grammar state
+    (``grammar.Constraint``) prompt ``index``'s tokens are chosen under, or None."""
     eos = eos_token_ids(tokenizer) if eos is None else eos
     if make_stop is None:
         def make_stop(_: int) -> ResponseStop:
@@ -105,15 +115,21 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
     def keep(t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu", torch.float16)
 
-    def push(r: int, token: int) -> None:
+    def push(r: int, token: int, logits: torch.Tensor) -> None:  # the target's greedy token, its logits [V]
         row = rows[r]
+        if row.constraint is not None:
+            choice = int(logits.masked_fill(~row.constraint.next_allowed(), float("-inf")).argmax())
+            row.free.append(choice == token)
+            row.constraint.advance([choice])
+            token = choice
         row.stop.push([token])
         if row.stop.done:
             s = row.stop
             out[row.index] = Generation(ids=list(s.ids), text=s.text, stop=s.reason or "length",
                                         prefilled=row.prefilled,
                                         aux=torch.cat(row.aux) if capture else None,
-                                        final=torch.cat(row.final) if capture else None)
+                                        final=torch.cat(row.final) if capture else None,
+                                        free=row.free[: len(s.ids)] if row.free is not None else None)
             rows[r] = None
             if on_done is not None:
                 on_done(row.index, out[row.index])
@@ -135,12 +151,13 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         f = target(torch.tensor(p[shared:], device=device)[None], pos, visible, pos, arena,
                    rows=torch.tensor([r], device=device), logits_at=torch.tensor([[len(p) - shared - 1]], device=device))
         holder = (r, p)
-        rows[r] = _Row(index=i, length=len(p), pending=-1, stop=make_stop(i),
-                       prefilled=len(p) - shared)
+        constraint = constrain(i) if constrain is not None else None
+        rows[r] = _Row(index=i, length=len(p), pending=-1, stop=make_stop(i), prefilled=len(p) - shared,
+                       constraint=constraint, free=[] if constraint is not None else None)
         if capture:  # same tokens at the same positions: the shared prefix's features are the holder's
             holder_aux = torch.cat([holder_aux[:shared], keep(f.aux[0])]) if shared else keep(f.aux[0])
             rows[r].aux, rows[r].final = [holder_aux], [keep(f.final[0])]
-        push(r, int(f.logits[0, 0].argmax()))
+        push(r, int(f.logits[0, 0].argmax()), f.logits[0, 0])
 
     def next_prompt() -> int | None:
         if queue and admit is not None and not admit(queue[0]):
@@ -168,5 +185,5 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
             if capture:
                 rows[r].aux.append(aux[b])
                 rows[r].final.append(final[b])
-            push(r, token)
+            push(r, token, f.logits[b, 0])
     return out

@@ -1,5 +1,6 @@
 """Stage `continuations` on a tiny random target: columns and masks, context skips,
-resume after a kill, and multi-process generation equal to one process."""
+structured outputs under their grammar, resume after a kill, and multi-process generation
+equal to one process."""
 
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ from pathlib import Path
 
 import datasets
 import pytest
+import torch
 
 from data_gen.continuations import build_continuations, continuations_dir
+from data_gen.splits import structured_set
 from schemafill.config import to_dataclass
+from schemafill.contract.records import read_requests
+from schemafill.contract.response_format import object_format
+from schemafill.contract.stopping import ResponseStop
+from schemafill.runtime.generation import generate
+from schemafill.runtime.grammar import SchemaGrammars, valid_response
+from schemafill.runtime.loading import load_runtime, load_tokenizer
 from tests.conftest import ROOT, accelerate_launch, compose
 
 
 def overrides(artifacts: Path, tiny: Path, *extra: str, tokens: int = 12) -> list[str]:
     return [f"paths.artifacts={artifacts}", "logger=none", "model.finetune=false", f"model.source={tiny}",
             "model.name=tiny", "model.aux_layer_ids=[1,2,3]", f"decode.max_new_tokens={tokens}",
-            "data.continuations.max_requests=16",
+            "data.continuations.max_requests=16", "data.continuations.structured=0.25",
             "data.continuations.shard_size=4", "data.continuations.batch_size=4", *extra]
 
 
@@ -42,16 +51,48 @@ def test_rows_masks_and_stats(builtin_artifacts, tiny_target, tmp_path):
     cfg = to_dataclass(compose(overrides(tmp_path, tiny_target, "data.continuations.max_prompt_tokens=700")))
     stats = build_continuations(cfg)
     rows = load_rows(cfg)
-    assert stats["rows"] == len(rows) and stats["rows"] + stats["skipped"] == stats["requests"] == 20
+    assert stats["rows"] == len(rows) and stats["rows"] + stats["skipped"] == stats["requests"] == 24
     assert stats["skipped_by_reason"] and stats["skipped"] > 0  # long live_* prompts over 700 tokens
     composed = sum(r["id"].startswith("cont_composed") for r in rows)
     assert stats["composed_share"] == composed / len(rows) and stats["tokens_per_s"] > 0
+    structured = [r for r in rows if r["id"].endswith("/structured")]
+    assert structured and stats["structured_share"] == len(structured) / len(rows)
+    chosen = 0
     for r in rows:
         assert len(r["input_ids"]) == len(r["loss_mask"])
         assert r["loss_mask"][: r["prompt_len"]] == [0] * r["prompt_len"]  # no loss on prompt tokens
-        assert r["loss_mask"][r["prompt_len"]:] == [1] * (len(r["input_ids"]) - r["prompt_len"])
-        assert sum(r["loss_mask"]) >= 1
+        if r in structured:  # the grammar chose where the random target would not write the object
+            chosen += r["loss_mask"].count(0) - r["prompt_len"]
+        else:
+            assert r["loss_mask"][r["prompt_len"]:] == [1] * (len(r["input_ids"]) - r["prompt_len"])
+            assert sum(r["loss_mask"]) >= 1
+    assert stats["grammar_chosen_tokens"] == chosen > 0
     assert build_continuations(cfg)["cached"] is True
+
+
+def test_a_structured_output_is_generated_under_its_schema_and_learnt_where_the_target_chose(builtin_artifacts,
+                                                                                             tiny_target, tmp_path):
+    """Under the grammar every answer is its schema's object, and a token carries loss exactly
+    where it is the target's own greedy choice (its unconstrained argmax)."""
+    requests, _ = read_requests(builtin_artifacts / "requests" / "bfcl450.jsonl")
+    reqs = structured_set(requests[:3])
+    tok = load_tokenizer(str(tiny_target))
+    target = load_runtime(str(tiny_target), torch.float32, torch.device("cpu"), [1, 2, 3], decodes=False)
+    grammars = SchemaGrammars(tok, target.config.vocab_size)
+    prompts = [tok(f"Answer: {r.user_text()}", add_special_tokens=False).input_ids for r in reqs]
+    gens = generate(target, tok, prompts, 48, 2, eos=frozenset({tok.eos_token_id}),
+                    make_stop=lambda i: ResponseStop(tok, frozenset({tok.eos_token_id}), 48,
+                                                     fmt=reqs[i].response_format(object_format("x"))),
+                    constrain=lambda i: grammars.constraint([reqs[i].output_function], fmt=reqs[i].response_format(
+                        object_format("x")), close_at=16))
+    for r, p, g in zip(reqs, prompts, gens):
+        assert g.stop == "closed" and valid_response(g.text, r.slot_functions, fmt=r.response_format(object_format("x")))
+        free = [bool(f) for f in g.free]
+        # each token's own greedy choice, one forward over the prompt and the answer
+        alone = generate(target, tok, [p + g.ids[:i] for i in range(len(g.ids))], 1, 4,
+                         make_stop=lambda i: ResponseStop(tok, frozenset(), 1))
+        assert free == [a.ids[0] == t for a, t in zip(alone, g.ids)]
+        assert not all(free)  # a random target does not write the schema's object by itself
 
 
 def test_resume_after_kill_loses_and_duplicates_nothing(builtin_artifacts, tiny_target, tmp_path):
@@ -69,15 +110,15 @@ def test_resume_after_kill_loses_and_duplicates_nothing(builtin_artifacts, tiny_
     os.killpg(proc.pid, signal.SIGKILL)  # killed mid-run, at whatever point it had reached
     proc.wait()
     finished = len(list(shards.glob("*/shard_*.jsonl")))
-    assert 1 <= finished < 5, "the run should have been interrupted after a shard and before the end"
+    assert 1 <= finished < 6, "the run should have been interrupted after a shard and before the end"
     assert not (tmp_path / "continuations" / "tiny").exists()
 
     cfg = to_dataclass(compose(args))
     stats = build_continuations(cfg)
-    assert stats["shards_reused"] == finished and stats["shards"] == 5
+    assert stats["shards_reused"] == finished and stats["shards"] == 6
     rows = load_rows(cfg)
     ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)) == stats["rows"] and stats["rows"] + stats["skipped"] == 20
+    assert len(ids) == len(set(ids)) == stats["rows"] and stats["rows"] + stats["skipped"] == 24
     # the same rows as an uninterrupted run
     fresh = tmp_path / "fresh"
     copy_requests(builtin_artifacts, fresh)
@@ -106,10 +147,10 @@ def test_a_time_budget_keeps_whole_shards_and_a_larger_one_resumes(builtin_artif
     base = overrides(tmp_path, tiny_target, "data.continuations.max_prompt_tokens=900")
     budgeted = build_continuations(to_dataclass(compose(base + ["data.continuations.max_minutes=1e-6"])))
     assert budgeted["stopped_by"] == "max_minutes"
-    assert 1 <= budgeted["shards"] < budgeted["shards_planned"] == 5
+    assert 1 <= budgeted["shards"] < budgeted["shards_planned"] == 6
     first = load_rows(to_dataclass(compose(base)))
     assert len(first) == budgeted["rows"] and 0 < len(first) < 20
     whole = build_continuations(to_dataclass(compose(base)))
-    assert whole["stopped_by"] is None and whole["shards_reused"] == budgeted["shards"] and whole["shards"] == 5
+    assert whole["stopped_by"] is None and whole["shards_reused"] == budgeted["shards"] and whole["shards"] == 6
     rows = {r["id"]: r for r in load_rows(to_dataclass(compose(base)))}
     assert all(rows[r["id"]]["input_ids"] == r["input_ids"] for r in first)  # kept, not generated again

@@ -24,7 +24,9 @@ those tokens are worth less than its time, drafting one round in ``SKIP_AT_MOST 
 keep measuring — from a request's first round on, whose catch-up over the whole prompt is
 the dearest forward (a structured output the head was never trained on is done before its
 first probe), unless SIDE drafts read the prompt's head entries that catch-up writes
-(``prompt_first``). A skipped round's target features wait for the next
+(``prompt_first``). What a round's drafting costs is measured on rounds whose catch-up is
+one round's (not a prompt's, nor a probe's over the rounds it skipped: a head priced by
+those looks too dear to ever draft again). A skipped round's target features wait for the next
 catch-up, so the head's KV is the same whenever it drafts.
 
 Scratch head slots start right after the committed ones and are overwritten by the next
@@ -257,13 +259,17 @@ class HeadDrafter:
             self.waiting.append(new_aux)
             self.skipped += 1
             return Candidates()
+        # what drafting costs a round is measured where its catch-up is one round's: not over
+        # a prompt, nor over the rounds a probe skipped
+        usual = self.done > 0 and not self.waiting
         if self.waiting:
             new_aux = torch.cat([*self.waiting, new_aux])
         self.skipped, self.waiting = 0, []
         before = self.ms
         tree, parents, q = yield from self.scored_steps(tokens, new_aux, depth)
         ms = self.ms - before
-        times.round_ms = ms if not times.round_ms else (1 - LEVEL_EMA) * times.round_ms + LEVEL_EMA * ms
+        if usual:
+            times.round_ms = ms if not times.round_ms else (1 - LEVEL_EMA) * times.round_ms + LEVEL_EMA * ms
         self.drafted = True
         return Candidates(tree, parents, [head_source(x) for x in q])
 

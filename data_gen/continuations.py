@@ -133,11 +133,12 @@ def run_shards(target: Any, tokenizer: Any, eos: frozenset[int], requests: list[
     def done(k: int, g: Any) -> None:
         s, j = stream[k]
         r, ids = requests[j], prompts[j]
-        learnt = [int(f) for f in g.free] if g.free is not None else [1] * len(g.ids)  # the target's own choices
+        # the target's own choices carry loss; a token the grammar chose against it does not
+        learnt = [int(a == t) for a, t in zip(g.greedy, g.ids)] if g.greedy is not None else [1] * len(g.ids)
         rows[s].append({"id": r.id, "input_ids": ids + g.ids, "loss_mask": [0] * len(ids) + learnt,
                         "prompt_len": len(ids), "response_text": g.text, "stop": g.stop,
                         "composed": r.source == "composed", "prefilled": g.prefilled,
-                        "output": r.output["name"] if r.object_only else None})
+                        "output": r.output["name"] if r.object_only else None, "greedy": g.greedy})
         if capture:
             captured[s][r.id] = {"aux": g.aux, "final": g.final}
         left[s] -= 1
@@ -200,7 +201,7 @@ def build_continuations(cfg: PipelineConfig, tracker: Any = None) -> dict:
     gen = to_dict(cfg.data.continuations)
     inputs = {"model": model_key, "target": target_fp, "gen": {k: v for k, v in gen.items() if k != "max_minutes"},
               "max_new_tokens": cfg.decode.max_new_tokens, "seed": cfg.seed,
-              "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 4}
+              "train": file_digest(Path(cfg.paths.artifacts) / "requests" / "train.jsonl"), "format": 5}
     shards_fp = fingerprint(inputs)  # what a shard's rows depend on: not the budget, so a larger one resumes
     fp = fingerprint({**inputs, "max_minutes": gen["max_minutes"]})
     outputs = OUTPUTS + ([f"{FEATURES}/meta.json"] if cfg.data.continuations.features else [])
@@ -323,8 +324,9 @@ def write_features(work: Path, shards: list[int], rows: list[dict], folder: Path
             for rid, c in torch.load(f).items():
                 i = index[rid]
                 start = rows[i]["prompt_len"] - 1
-                # the target's greedy choice at each response position is the token it wrote next
-                yield i, RowFeatures(aux=c["aux"], final=c["final"], start=start,
-                                     argmax=torch.tensor(rows[i]["input_ids"][start + 1:]))
+                # the target's greedy choice at each response position: the token it wrote next,
+                # unless a grammar chose that one
+                greedy = rows[i].get("greedy") or rows[i]["input_ids"][start + 1:]
+                yield i, RowFeatures(aux=c["aux"], final=c["final"], start=start, argmax=torch.tensor(greedy))
 
     return FeatureCache.write(folder, [len(r["input_ids"]) for r in rows], aux_dim, hidden, captured(), source)

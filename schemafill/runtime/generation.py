@@ -19,8 +19,9 @@ wasted inside it:
   skips about half of all prompt tokens.
 
 Under a grammar (``constrain``: structured outputs) each token is the target's greedy choice
-among the tokens the grammar allows, and a generation says where the grammar chose against
-the target (``Generation.free``): a head learns the target's choices, not the grammar's.
+among the tokens the grammar allows, and a generation also keeps the target's own greedy
+token at each position (``Generation.greedy``): where they differ the grammar chose, and a
+head learns the target's choices, not the grammar's.
 
 With ``capture=True`` each generation also carries the target's features of its own tokens
 (aux hidden states, final hidden state, argmax: what an EAGLE-3 head trains on), taken from
@@ -51,8 +52,8 @@ class Generation:
     # final of positions P-1..L-2 (P prompt, L prompt + response tokens); their argmax is ids
     aux: torch.Tensor | None = None  # [L-1, 3·H]
     final: torch.Tensor | None = None  # [L-P, H]
-    # per response token: is it the target's own greedy choice (False where a grammar masked that one)
-    free: list[bool] | None = None
+    # under a grammar: the target's own greedy token at each response position (ids differ where the grammar chose)
+    greedy: list[int] | None = None
 
 
 @dataclass
@@ -65,7 +66,7 @@ class _Row:
     aux: list[torch.Tensor] | None = None  # captured chunks, [n, 3·H] each
     final: list[torch.Tensor] | None = None  # [n, H] each
     constraint: Any = None  # the grammar its tokens are chosen under (``grammar.Constraint``), or None
-    free: list[bool] | None = None
+    greedy: list[int] | None = None
 
 
 def prefix_order(prompts: list[list[int]]) -> list[int]:
@@ -119,7 +120,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         row = rows[r]
         if row.constraint is not None:
             choice = int(logits.masked_fill(~row.constraint.next_allowed(), float("-inf")).argmax())
-            row.free.append(choice == token)
+            row.greedy.append(token)
             row.constraint.advance([choice])
             token = choice
         row.stop.push([token])
@@ -129,7 +130,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
                                         prefilled=row.prefilled,
                                         aux=torch.cat(row.aux) if capture else None,
                                         final=torch.cat(row.final) if capture else None,
-                                        free=row.free[: len(s.ids)] if row.free is not None else None)
+                                        greedy=row.greedy[: len(s.ids)] if row.greedy is not None else None)
             rows[r] = None
             if on_done is not None:
                 on_done(row.index, out[row.index])
@@ -153,7 +154,7 @@ def generate(target: Target, tokenizer: Any, prompts: list[list[int]], max_new_t
         holder = (r, p)
         constraint = constrain(i) if constrain is not None else None
         rows[r] = _Row(index=i, length=len(p), pending=-1, stop=make_stop(i), prefilled=len(p) - shared,
-                       constraint=constraint, free=[] if constraint is not None else None)
+                       constraint=constraint, greedy=[] if constraint is not None else None)
         if capture:  # same tokens at the same positions: the shared prefix's features are the holder's
             holder_aux = torch.cat([holder_aux[:shared], keep(f.aux[0])]) if shared else keep(f.aux[0])
             rows[r].aux, rows[r].final = [holder_aux], [keep(f.final[0])]

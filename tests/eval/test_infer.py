@@ -167,11 +167,14 @@ def test_cost_aware_launch_is_lossless_interleaved_and_reports_its_cost_curve(tm
     assert len(list((tmp_path / "cost").glob("*.json"))) == 1  # measured once, shared by every method
     # every call's shape is recorded: the prefill (the prompt, for SchemaFill with its first
     # candidates) first, then one per verification; the head's forwards where a head drafts
+    # (SchemaFill's in every request, from its first round; EAGLE-3's may skip every request
+    # of a launch that measured its random head not worth its time in the warm-up)
     for m, rows in result["rows"].items():
         for r in rows:
             assert len(r["call_rows"]) == len(r["call_ms"]) == r["target_calls"]
             assert r["call_rows"][0] >= len(r["prompt_ids"]) and min(r["call_rows"]) >= 1
-            assert (r["head_forwards"] > 0) == (m in ("eagle3", "schemafill"))
+            if m != "eagle3":
+                assert (r["head_forwards"] > 0) == (m == "schemafill")
 
     # ... which the device projection replays (here on the CPU at the tiny shape)
     from benchmarks.gpu_project import run as project
@@ -181,7 +184,8 @@ def test_cost_aware_launch_is_lossless_interleaved_and_reports_its_cost_curve(tm
     assert set(projected) == {"ar", "eagle3", "ngram", "suffix", "schemafill"} and projected["ar"]["x_ar"] == 1.0
     for m, v in projected.items():
         assert v["tokens"] == metrics[m]["tokens"] and v["target_s"] > 0 and v["tps"] > 0
-        assert (v["head_s"] > 0) == (m in ("eagle3", "schemafill"))
+        assert (v["head_s"] > 0) == (sum(r["head_forwards"] for r in result["rows"][m]) > 0)
+    assert projected["schemafill"]["head_s"] > 0
     assert report["prefill_ms"] and all(int(n) & (int(n) - 1) == 0 for n in report["verify_ms"])  # powers of two
     # host time per call measured on a device (gpu_check --lossless) replaces the CPU's where given
     host = tmp_path / "host.json"

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from data_gen.splits import structured_set
 from schemafill import atomic
 from schemafill.config import PipelineConfig, to_dict
 from schemafill.contract.compose import compositions
@@ -45,7 +46,6 @@ from schemafill.contract.records import read_requests
 from schemafill.contract.response_format import JSON, ResponseFormat, object_format
 from schemafill.contract.stopping import ResponseStop
 from schemafill.contract.toolcall import ToolRequest, parse_response
-from data_gen.splits import structured_set
 from schemafill.fingerprint import file_digest, fingerprint, load_if_fresh, read_manifest, write_manifest
 from schemafill.runtime.device import resolve_device
 from schemafill.runtime.feature_cache import FEATURES, FeatureCache, RowFeatures

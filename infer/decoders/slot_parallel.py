@@ -22,9 +22,10 @@ def declare(rt: Runtime, head: Eagle3Head, cfg: SchemaFillConfig, budget: NodeBu
     times = HeadTimes()  # the budget also prices the head's levels, by what they take here
 
     def drafting(request, prompt, groups=None, values=None):
-        return SlotDrafting(cfg, HeadDrafter(head, cfg.budget, budget, times, prompt_first=cfg.sides), budget, ledger,
-                            request, prompt,
-                            rt.tokenizer, rt.eos, request.response_format(rt.fmt), groups, values)
+        # SIDE drafts read the prompt's head entries: the head's first catch-up is never skipped
+        drafter = HeadDrafter(head, cfg.budget, budget, times, prompt_first=cfg.sides)
+        return SlotDrafting(cfg, drafter, budget, ledger, request, prompt, rt.tokenizer, rt.eos,
+                            request.response_format(rt.fmt), groups, values)
 
     return Method(rt, drafting, budget)
 

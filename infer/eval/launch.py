@@ -22,7 +22,6 @@ from infer import decoders
 from infer.decoders.context import DecoderContext
 from infer.eval.metrics import pooled
 from infer.rounds import loop
-from schemafill.runtime.grammar import SchemaGrammars, valid_response
 from infer.rounds.decoding import DecodeOptions
 from infer.rounds.options import request_options
 from schemafill import atomic
@@ -31,6 +30,7 @@ from schemafill.contract.prompt import model_prompt_ids
 from schemafill.contract.records import evenly, read_requests
 from schemafill.contract.toolcall import ToolRequest
 from schemafill.runtime.device import resolve_device
+from schemafill.runtime.grammar import SchemaGrammars, valid_response
 from schemafill.runtime.loading import load_launch_target
 from schemafill.tracking import start_run
 

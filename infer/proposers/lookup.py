@@ -2,7 +2,7 @@
 
 Tool-call values are mostly copied from the user's request ("Boston", "2024-05-01"), and
 later calls repeat earlier ones' keys and units; a continuation found by suffix match
-proposes such spans for free. Three matching rules live here:
+proposes such spans for free. Four matching rules live here:
 
 * ``copy_match`` / ``copy_matches`` — SchemaFill's copies (MAIN chains): the longest suffix
   of up to ``n_max`` tokens, at its *last* occurrence in a source (and earlier ones that went

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from schemafill.runtime.grammar import Constraint
 from infer.rounds.sampling import Sampler
 from schemafill.contract.response_format import JSON, ResponseFormat
 from schemafill.contract.stopping import Logprob, ResponseStop
 from schemafill.contract.toolcall import ToolRequest
+from schemafill.runtime.grammar import Constraint
 from schemafill.runtime.model import Target
 
 

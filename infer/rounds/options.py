@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import DecodeOptions
 from infer.rounds.sampling import Sampler
 from schemafill.config import DecodeConfig
 from schemafill.contract.toolcall import ToolRequest
+from schemafill.runtime.grammar import SchemaGrammars
 
 
 def request_options(decode: DecodeConfig, grammars: Callable[[], SchemaGrammars], functions: list[dict], *,

@@ -23,13 +23,13 @@ import torch
 from infer.rounds.arena import ArenaLayout
 from infer.rounds.call import Call, Output, Segment
 from infer.rounds.commit import commit
-from schemafill.runtime.grammar import Constraint
 from infer.rounds.decoding import Decoded
 from infer.rounds.forward import run_alone
 from infer.rounds.sampling import History, Sampler, tree_paths
 from infer.rounds.tree import depths, prune
 from infer.rounds.verify import chain_and_tree, choose, with_segments
 from schemafill.contract.stopping import Logprob, ResponseStop
+from schemafill.runtime.grammar import Constraint
 from schemafill.runtime.model import Target
 
 

@@ -26,7 +26,6 @@ from typing import Callable
 
 from infer import decoders
 from infer.decoders.context import DecoderContext
-from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import Decoded, DecodeOptions
 from infer.rounds.loop import Batch, Stream
 from infer.rounds.options import request_options
@@ -38,6 +37,7 @@ from schemafill.contract.prompt import model_prompt_ids
 from schemafill.contract.stopping import visible
 from schemafill.contract.toolcall import ToolRequest
 from schemafill.runtime.device import resolve_device
+from schemafill.runtime.grammar import SchemaGrammars
 from schemafill.runtime.loading import load_launch_target
 
 

@@ -13,7 +13,6 @@ import torch
 from infer.decoders import slot_parallel
 from infer.pricing.budget import NodeBudget
 from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
-from schemafill.runtime.grammar import SchemaGrammars, valid_response
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.slots.policy import SchemaFillConfig
 from schemafill.contract.parser import parse_prefix
@@ -21,6 +20,7 @@ from schemafill.contract.prompt import prompt_ids
 from schemafill.contract.response_format import JSON, dumps, object_format
 from schemafill.contract.stopping import ResponseStop
 from schemafill.contract.toolcall import InvalidRequest, ToolRequest
+from schemafill.runtime.grammar import SchemaGrammars, valid_response
 from tests.conftest import decode_ar, decode_tree
 from tests.decoders.test_schemafill import base_target, random_head  # noqa: F401  (fixture)
 

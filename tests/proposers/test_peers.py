@@ -19,12 +19,12 @@ from infer.proposers.suffix import SuffixProposer
 from infer.proposers.suffix_tree import SuffixTree
 from infer.proposers.token_recycling import RecyclingTable, template_tree
 from infer.proposers.toolspec import SchemaFSM, retrieval_candidates
-from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.tree import ROOT, depths
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.contract.prompt import prompt_ids
 from schemafill.contract.response_format import HERMES, HERMES3, JSON
+from schemafill.runtime.grammar import SchemaGrammars
 from schemafill.runtime.loading import generation_eos, load_target, load_tokenizer
 from tests.conftest import decode_ar
 from tests.decoders.test_schemafill import CASES, args_first_request, base_target, request  # noqa: F401 (a fixture)

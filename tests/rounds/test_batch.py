@@ -13,13 +13,13 @@ from infer.pricing.cost_model import CostModel
 from infer.pricing.selection import select
 from infer.proposers.head import SCHEMAFILL_BUDGET, TreeBudget
 from infer.rounds import loop
-from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.sampling import Sampler
 from infer.rounds.share import Share
 from infer.slots.policy import SchemaFillConfig
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.contract.prompt import prompt_ids
+from schemafill.runtime.grammar import SchemaGrammars
 from schemafill.runtime.loading import load_target, load_tokenizer
 from tests.conftest import decode_ar
 from tests.decoders.test_schemafill import CASES, random_head, request

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from schemafill.runtime.grammar import SchemaGrammars
 from infer.rounds.options import request_options
 from schemafill.config import DecodeConfig
+from schemafill.runtime.grammar import SchemaGrammars
 
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "required": ["city"],
                                                  "properties": {"city": {"type": "string"}}}}

@@ -15,7 +15,6 @@ from infer.decoders import ngram, slot_parallel, suffix, toolspec
 from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
 from infer.proposers.head import HeadDrafter, TreeBudget
-from schemafill.runtime.grammar import Constraint
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.sampling import History, Sampler, tree_paths
 from infer.rounds.tree import ROOT
@@ -23,6 +22,7 @@ from infer.rounds.verify import choose
 from infer.slots.policy import SchemaFillConfig
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.runtime.drafter import Eagle3Head, HeadConfig
+from schemafill.runtime.grammar import Constraint
 from schemafill.runtime.loading import from_hf_model
 from schemafill.runtime.model import rope_tables
 from tests.conftest import decode_ar, decode_tree

@@ -8,7 +8,6 @@ import torch
 
 from infer.decoders import ngram, slot_parallel, suffix, toolspec
 from infer.proposers.head import SCHEMAFILL_BUDGET, HeadDrafter
-from schemafill.runtime.grammar import SchemaGrammars, minimal_value, response_schema, valid_response
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.tree import ROOT
 from infer.slots.policy import SchemaFillConfig
@@ -17,6 +16,7 @@ from schemafill.contract.parser import parse_prefix
 from schemafill.contract.prompt import prompt_ids
 from schemafill.contract.response_format import HERMES, HERMES3, JSON, MISTRAL
 from schemafill.contract.toolcall import parse_response
+from schemafill.runtime.grammar import SchemaGrammars, minimal_value, response_schema, valid_response
 from schemafill.runtime.loading import load_target, load_tokenizer
 from tests.conftest import decode_ar, decode_tree, tiny_llama
 from tests.decoders.test_schemafill import WEATHER, base_target, random_head, request  # noqa: F401 (a fixture)

@@ -282,8 +282,8 @@ def merge(work: Path, shards: list[int], requests: int, out: Path, wall: float, 
         "requests": requests,
         "mean_prompt_tokens": sum(r["prompt_len"] for r in rows) / n,
         "mean_response_tokens": response_tokens / n,
-        "valid_json_rate": sum(parse_response(r["response_text"].strip(), object_format(r["output"]) if r.get("output")
-                                              else fmt) is not None for r in rows) / n,
+        "valid_json_rate": sum(parse_response(r["response_text"].strip(), row_format(r, fmt)) is not None
+                               for r in rows) / n,
         "empty_rate": sum(not r["response_text"].strip() for r in rows) / n,
         "composed_share": sum(r["composed"] for r in rows) / n,
         "structured_share": sum(bool(r.get("output")) for r in rows) / n,
@@ -309,6 +309,11 @@ def merge(work: Path, shards: list[int], requests: int, out: Path, wall: float, 
         atomic.write_json(tmp / "stats.json", stats)
         write_manifest(tmp, fp, stage="continuations")
     return stats
+
+
+def row_format(row: dict, fmt: ResponseFormat) -> ResponseFormat:
+    """How a row's response is written: a structured output's object, else the target's calls."""
+    return object_format(row["output"]) if row.get("output") else fmt
 
 
 def write_features(work: Path, shards: list[int], rows: list[dict], folder: Path, source: dict) -> FeatureCache:

@@ -8,8 +8,8 @@ OpenAI has (``temperature``, ``top_p``, ``frequency_penalty``, ``presence_penalt
 ``stop``, ``logprobs`` / ``top_logprobs``, ``max_tokens``, ``stream``. Fields we do not use
 (``user``, ``metadata``, ``parallel_tool_calls`` ...) are ignored as OpenAI-compatible
 engines ignore them, and what we cannot honour (``n`` > 1, a structured output beside tools
-on a target whose calls are not one JSON object) is refused by name rather than silently dropped. A null field is an
-absent one. Pure: standard library and ``schemafill`` only.
+on a target whose calls are not one JSON object) is refused by name rather than silently
+dropped. A null field is an absent one. Pure: standard library and ``schemafill`` only.
 """
 
 from __future__ import annotations

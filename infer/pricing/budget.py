@@ -79,6 +79,11 @@ class NodeBudget:
         kept = select(parents, values, cost, fixed_rows, self.host_ms, base=base)
         return kept, expected_rate(values, kept, cost, fixed_rows, self.host_ms, base)
 
+    def round_ms(self, rows: int, side: bool = False) -> float | None:
+        """A round's milliseconds priced with a call of ``rows`` (with SIDE rows when ``side``),
+        host work included; None for the fixed budget."""
+        return None if self.cost is None else self.host_ms + self.cost(rows, side)
+
     def commit(self, rate: float) -> None:
         """The rate this round's chosen set promised joins the running mean."""
         self.rate = rate if not self.rate else (1 - EMA) * self.rate + EMA * rate

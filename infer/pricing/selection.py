@@ -18,8 +18,9 @@ instead of a fixed budget. Several trees (MAIN's and SIDE branches' segments) co
 one call by passing them as one forest whose values share the same currency.
 
 In a batch, one forward carries every request's rows: a request's nodes are priced as rows
-of that call (``infer/rounds/share.Share``: the others' rows and expected tokens), so a node is kept only where
-its expected tokens beat what the batch's rows already bring per millisecond::
+of that call (``infer/rounds/share.Share``: the others' rows and expected tokens in the batch's
+best call), so a node is kept only where its expected tokens beat what the batch's rows bring
+per millisecond with it::
 
     (1 + others' tokens + Σ_{kept} v) / (host_ms + cost(others' rows + fixed + |kept|))
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from infer.rounds.tree import ROOT, depths
+from infer.rounds.tree import ROOT, clamped, depths
 
 
 def path_values(parents: list[int], p: list[float]) -> list[float]:
@@ -53,11 +54,7 @@ def select(parents: list[int], values: list[float], cost: Callable[[int], float]
     """
     n = len(parents)
     depth = depths(parents)
-    # a child never outranks its parent: clamp values down the tree, then order by value,
-    # shallower first on ties, so every prefix of the order is closed under ancestors
-    v: list[float] = []
-    for i, q in enumerate(parents):
-        v.append(values[i] if q == ROOT else min(values[i], v[q]))
+    v = clamped(parents, values)
     forced: set[int] = set()
     for i in keep:
         while i != ROOT and i not in forced:
@@ -81,3 +78,4 @@ def expected_rate(values: list[float], kept: list[int], cost: Callable[[int], fl
                   host_ms: float = 0.0, base: float = 1.0) -> float:
     """Expected committed tokens per ms of verifying ``kept`` (what ``select`` maximises)."""
     return (base + sum(values[i] for i in kept)) / (host_ms + cost(fixed_rows + len(kept)))
+

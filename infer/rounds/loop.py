@@ -30,7 +30,7 @@ from infer.rounds.forward import run
 from infer.rounds.phases import Phases
 from infer.rounds.prefixes import PrefixCache
 from infer.rounds.session import MainSession, Verified
-from infer.rounds.share import ALONE, Share
+from infer.rounds.share import ALONE, Offer, Share, batch_shares
 from schemafill.runtime.model import Target
 
 
@@ -58,6 +58,15 @@ class Pricing(Protocol):
     def observe(self, cand: Candidates, v: Verified, head_drafted: bool = False) -> None: ...
 
     def host(self, ms: float) -> None: ...
+
+    def values(self, cand: Candidates) -> list[float]:
+        """Each node's chance to be on the accepted path."""
+        ...
+
+    def round_ms(self, rows: int, side: bool = False) -> float | None:
+        """A round's milliseconds priced with a call of ``rows`` (with SIDE rows when ``side``),
+        host work included; None where selection keeps whatever is proposed."""
+        ...
 
     @property
     def adaptive(self) -> bool:
@@ -112,6 +121,14 @@ class Drafting:
             return p
         return Proposal(self.pricing.choose(p.cand, s.pending + sum(len(x.tokens) for x in p.extra), share),
                         p.extra, p.owners, p.head_drafted)
+
+    def offer(self, s: MainSession, p: Proposal) -> Offer:
+        """``p`` as ``select`` prices it, for the batch's best call (``selection.batch_shares``):
+        its MAIN tree with each node's value (nothing to choose from without ``pricing``)."""
+        fixed = s.pending + sum(len(x.tokens) for x in p.extra)
+        if self.pricing is None or self.pricing.round_ms(1) is None:
+            return Offer([], [], fixed + len(p.cand))
+        return Offer(list(p.cand.parents), self.pricing.values(p.cand), fixed)
 
     def observe(self, s: MainSession, p: Proposal, v: Verified) -> None:
         """What a round's verification says about the proposal (not called for the prefill)."""
@@ -294,19 +311,17 @@ class Batch:
         """One round for every request; returns those that ended in it (done, or with ``error``)."""
         self._draft([st for st in self.streams if not st.done and st.prefilled], self.rate.rate)
         streams = [st for st in self.streams if not st.done]
-        budget = self.prompt_budget() if any(st.prefilled for st in streams) else None
+        decoding = [st for st in streams if st.prefilled]
+        budget = self.prompt_budget() if decoding else None
         calls: list[tuple[Stream, Call]] = []
         # prompts first (their rows are known), then each request's draft priced with the rest of the call
-        for st in sorted(streams, key=lambda st: st.prefilled):
-            try:
-                call = st.next_call(self._share(st, streams, calls), budget)
-            except Exception as e:  # noqa: BLE001 - one request's failure is its own
-                st.error = e
-                continue
-            if call is not None:
-                calls.append((st, call))
-                if budget is not None and not st.prefilled:
-                    budget -= call.rows
+        for st in streams:
+            if not st.prefilled:
+                self._build(st, calls, ALONE, budget)
+                if budget is not None and calls and calls[-1][0] is st:
+                    budget -= calls[-1][1].rows
+        for st, share in zip(decoding, self._shares(decoding, calls)):
+            self._build(st, calls, share)
         if calls:
             began = self.since
             host = 0.0
@@ -403,25 +418,37 @@ class Batch:
                     advance(st, steps, result)
 
     @staticmethod
-    def _share(me: Stream, streams: list[Stream], calls: list[tuple[Stream, Call]]) -> Share:
-        """The rest of this round's call as ``me`` selects (``Share``): the rows the other
-        requests carry whatever anyone drafts — a decoding request's pending tokens, a prefill's
-        priced rows — and the token each decoding request commits for sure. Not their drafts:
-        priced against a batch rate that counts the others' drafts, every request keeps nodes
-        that only beat the others' drafts, and a batch that drafted heavily at low load goes on
-        drafting rows that bring less than plain decoding's one token a row."""
-        built = {id(st): call for st, call in calls}
-        rows = tokens = 0
-        for st in streams:
-            if st is me:
-                continue
-            call = built.get(id(st))
-            if call is not None:
-                rows += call.main_rows - len(call.tree_tokens) if call.kind == "verify" else call.priced_rows
-            elif st.prefilled:
-                rows += 1
-            tokens += st.prefilled
-        return Share(rows, float(tokens))
+    def _build(st: Stream, calls: list[tuple[Stream, Call]], share: Share, budget: int | None = None) -> None:
+        """``st``'s call of this round joins ``calls`` (none when its prompt must wait)."""
+        try:
+            call = st.next_call(share, budget)
+        except Exception as e:  # noqa: BLE001 - one request's failure is its own
+            st.error = e
+            return
+        if call is not None:
+            calls.append((st, call))
+
+    @staticmethod
+    def _shares(decoding: list[Stream], calls: list[tuple[Stream, Call]]) -> list[Share]:
+        """What each decoding request prices its draft against: the rest of the batch's best
+        call (``selection.batch_shares``) over every request's candidates, beside the rows the
+        prompts' calls carry that bring a token this round (a prompt's own rows are owed whatever
+        anyone drafts: charged to the round, they would make every node beside a prompt look
+        cheap, and rounds grow several times beyond what they earn)."""
+        offers: list[Offer] = []
+        for st in decoding:
+            try:
+                offers.append(st.drafting.offer(st.s, st.drafted))
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                st.error = e
+                offers.append(Offer([], [], 0, 0.0))
+        pricing = next((st.drafting.pricing for st in decoding if st.error is None and st.drafting.pricing is not None
+                        and st.drafting.pricing.round_ms(1) is not None), None)
+        if pricing is None:  # nothing is chosen: every request verifies what it proposed
+            return [ALONE] * len(decoding)
+        side = any(st.drafted.extra for st in decoding)
+        prompts = sum(call.priced_rows for _, call in calls)
+        return batch_shares(offers, lambda n: pricing.round_ms(n, side), prompts)
 
 
 def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> Decoded:

@@ -28,6 +28,15 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def clamped(parents: list[int], values: list[float]) -> list[float]:
+    """``values`` clamped down the tree: a child never outranks its parent, so ordering by
+    value (shallower first on ties) makes every prefix of the order closed under ancestors."""
+    v: list[float] = []
+    for i, q in enumerate(parents):
+        v.append(values[i] if q == ROOT else min(values[i], v[q]))
+    return v
+
+
 def ancestors(parents: list[int], i: int) -> list[int]:
     """Node i and its ancestors, root-most first (the root itself excluded)."""
     path = []

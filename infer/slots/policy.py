@@ -71,7 +71,7 @@ from infer.rounds.candidates import Candidates
 from infer.rounds.loop import Drafting, Proposal
 from infer.rounds.phases import Phases
 from infer.rounds.session import MainSession, Verified
-from infer.rounds.share import ALONE, Share
+from infer.rounds.share import ALONE, Offer, Share
 from infer.rounds.tree import ROOT, chain, merge
 from infer.slots.align import current_call, rebind, rebind_by_keys, written_keys
 from infer.slots.forecast import call_plan, forecast_groups, rank_tools
@@ -245,21 +245,12 @@ class SlotDrafting(Drafting):
         what one row does, so keeping them regardless would hold every round at several rows.
         In a batch, they are rows of the call ``share`` describes."""
         cand, extra, owners = p.cand, p.extra, p.owners
-        steps = self.side.steps(owners)
-        fixed = s.pending + sum(len(seg.tokens) for seg, step in zip(extra, steps) if not step)
         if not self.budget.active:
-            return Proposal(self.budget.choose(cand, fixed, share), extra, owners, p.head_drafted)
-        parents, values = list(cand.parents), self.budget.values(cand)
-        worth, draft_rate = self.ledger.per_row, self.budget.stats.rate(SIDE_DRAFT)
-        first_rows = []
-        for seg, step in zip(extra, steps):
-            first_rows.append(len(parents) if step else None)
-            if step:
-                for r in range(len(seg.tokens)):
-                    parents.append(ROOT if r == 0 else len(parents) - 1)
-                    values.append(worth if r == 0 else worth * draft_rate)
+            return Proposal(self.budget.choose(cand, self._fixed(s, p), share), extra, owners, p.head_drafted)
+        offer, first_rows = self._forest(s, p)
+        parents, values, fixed = offer.parents, offer.values, offer.fixed_rows
         kept, rate = self.budget.best(parents, values, fixed, bool(extra), share)
-        if any(steps) and all(steps):
+        if first_rows and None not in first_rows:
             # a call without SIDE rows may cost less than its row count says (their private
             # contexts are attended apart): MAIN's nodes alone compete as a whole
             alone, solo = self.budget.best(cand.parents, values[:len(cand)], fixed, False, share)
@@ -272,6 +263,29 @@ class SlotDrafting(Drafting):
                 for seg, first in zip(extra, first_rows)]
         extra, owners = self.side.trim(extra, owners, rows)
         return Proposal(main, extra, owners, p.head_drafted)
+
+    def offer(self, s: MainSession, p: Proposal) -> Offer:
+        if not self.budget.active:
+            return Offer([], [], self._fixed(s, p) + len(p.cand))
+        return self._forest(s, p)[0]
+
+    def _fixed(self, s: MainSession, p: Proposal) -> int:
+        """Rows the call carries whatever is chosen: pending tokens, new SIDE contexts."""
+        return s.pending + sum(len(seg.tokens) for seg, step in zip(p.extra, self.side.steps(p.owners)) if not step)
+
+    def _forest(self, s: MainSession, p: Proposal) -> tuple[Offer, list[int | None]]:
+        """MAIN's tree and every SIDE step's rows as one forest in selection's currency, and
+        the index of each segment's first row in it (None: a new context, always sent)."""
+        parents, values = list(p.cand.parents), self.budget.values(p.cand)
+        worth, draft_rate = self.ledger.per_row, self.budget.stats.rate(SIDE_DRAFT)
+        first_rows: list[int | None] = []
+        for seg, step in zip(p.extra, self.side.steps(p.owners)):
+            first_rows.append(len(parents) if step else None)
+            if step:
+                for r in range(len(seg.tokens)):
+                    parents.append(ROOT if r == 0 else len(parents) - 1)
+                    values.append(worth if r == 0 else worth * draft_rate)
+        return Offer(parents, values, self._fixed(s, p)), first_rows
 
     def observe(self, s: MainSession, p: Proposal, v: Verified) -> None:
         self.budget.observe(p.cand, v, p.head_drafted)

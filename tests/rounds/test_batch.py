@@ -15,7 +15,7 @@ from infer.proposers.head import SCHEMAFILL_BUDGET, TreeBudget
 from infer.rounds import loop
 from infer.rounds.decoding import DecodeOptions, Runtime
 from infer.rounds.sampling import Sampler
-from infer.rounds.share import Share
+from infer.rounds.share import Offer, Share
 from infer.slots.policy import SchemaFillConfig
 from schemafill.config import NgramConfig, SuffixConfig, ToolSpecConfig
 from schemafill.contract.prompt import prompt_ids
@@ -164,13 +164,24 @@ def test_selection_prices_a_requests_rows_as_part_of_the_batch():
     assert budget.best(parents, values, 1)[0] == [0] and budget.best(parents, values, 1, share=share)[0] == []
 
 
+class Offering(loop.Drafting):
+    """Priced drafting whose candidates are given as values (what ``select`` would read)."""
+
+    def __init__(self, values: list[float] | None = None) -> None:
+        super().__init__(NodeBudget(STEEP))
+        self.given = values or []
+
+    def offer(self, s, p):
+        return Offer([-1 + i for i in range(len(self.given))], self.given, s.pending)
+
+
 def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
     """A prompt's KV is owed whatever anyone drafts: a request pricing its draft beside another's
     prompt piece or prefill sees only the rows that bring this round's tokens."""
     target, tok, eos = tiny
     rt = Runtime(target, tok, eos, 16)
     sf = methods(target, tok, eos, 16)["schemafill"]
-    decoding = loop.Stream(rt, prompt_ids(request("one_tool"), "plain", tok), DecodeOptions(), loop.Drafting())
+    decoding = loop.Stream(rt, prompt_ids(request("one_tool"), "plain", tok), DecodeOptions(), Offering())
     batch = loop.Batch(target, prefill_tokens=32)
     batch.add(decoding)
     batch.step()
@@ -178,7 +189,7 @@ def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
     late = loop.Stream(rt, long_prompt, DecodeOptions(), loop.Drafting())
     piece = late.next_call(prefill_tokens=32)
     assert piece.kind == "chunk" and piece.rows == 32 and piece.priced_rows == 0
-    assert loop.Batch._share(decoding, [decoding, late], [(late, piece)]) == Share(0, 0.0)
+    assert loop.Batch._shares([decoding], [(late, piece)]) == [Share(0, 0.0)]
 
     r = request("one_tool")
     joining = sf.stream(r, prompt_ids(r, "plain", tok), DecodeOptions())
@@ -187,17 +198,30 @@ def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
     assert prefill.kind == "prefill" and tree > 0  # the forecast's first proposal rides with it
     # the prompt's last token (its logits give the first token), the tree and the SIDE rows
     assert prefill.priced_rows == 1 + tree + prefill.extra_rows < prefill.rows
-    step = decoding.next_call()
-    assert step.kind == "verify" and step.priced_rows == step.rows == 1
-    assert loop.Batch._share(late, [decoding, late, joining], [(joining, prefill), (decoding, step)]) == \
-        Share(prefill.priced_rows + 1, 1.0)  # the decoding request's pending token, and its one sure token
-    proposing = loop.Drafting()
-    proposing.scratch = 8
-    drafted = loop.Stream(rt, prompt_ids(request("bm25"), "plain", tok), DecodeOptions(), proposing)
-    drafted.s.prefill()
-    drafted.prefilled = True
-    tree = drafted.s.verify_call([5, 6, 7], [-1, 0, 1])  # its drafts ride in the call, not in the price
-    assert loop.Batch._share(late, [decoding, late, drafted], [(drafted, tree)]) == Share(1 + 1, 2.0)
+    assert loop.Batch._shares([decoding], [(joining, prefill)]) == [Share(prefill.priced_rows, 0.0)]
+    unpriced = loop.Stream(rt, prompt_ids(request("bm25"), "plain", tok), DecodeOptions(), loop.Drafting())
+    assert loop.Batch._shares([unpriced], [(joining, prefill)]) == [loop.ALONE]  # it keeps what it proposed
+
+
+def test_each_request_prices_its_draft_against_the_batchs_best_call(tiny):
+    """Two decoding requests: one drafts a chain worth 0.95 and 0.9, the other a node worth
+    0.6, at 10 ms a call and 4 ms a further row. Against plain decoding of the other (2 tokens
+    for 14 ms), 0.6 pays (2.6 / 18 ms); against the batch's best call, the first request's chain
+    kept (3.85 tokens for 22 ms), it lowers the rate (4.45 / 26 ms): each request's share is the
+    rest of that call, and each one's own selection then keeps exactly its part of it."""
+    target, tok, eos = tiny
+    rt = Runtime(target, tok, eos, 16)
+    chain, lone = Offering([0.95, 0.9]), Offering([0.6])
+    streams = [loop.Stream(rt, prompt_ids(request(n), "plain", tok), DecodeOptions(), d)
+               for n, d in (("one_tool", chain), ("bm25", lone))]
+    for st in streams:
+        st.s.prefill()
+        st.prefilled = True
+    shares = loop.Batch._shares(streams, [])
+    assert shares == [Share(1, 1.0), Share(3, pytest.approx(2.85))]
+    assert select([-1], [0.6], lambda n: STEEP(n + 1), 1, base=2.0) == [0]  # priced beside plain decoding
+    assert select([-1], [0.6], lambda n: STEEP(n + shares[1].rows), 1, base=1 + shares[1].tokens) == []
+    assert select([-1, 0], [0.95, 0.9], lambda n: STEEP(n + shares[0].rows), 1, base=1 + shares[0].tokens) == [0, 1]
 
 
 def test_the_heads_drafting_for_a_batch_is_one_forward_per_step(tiny, monkeypatch):

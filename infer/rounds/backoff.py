@@ -10,8 +10,11 @@ what it adds beyond the one token every round commits anyway — ``gain``, measu
 request's drafted rounds — is at least that. Alone, a round's rate is the request's own and
 drafting almost always pays; beside 63 other requests the same milliseconds cost 64 times
 the tokens, and a drafter that brings little (a head the target rarely follows) stops
-drafting, down to plain decoding. It still drafts one round in ``PROBE_EVERY`` to keep
-measuring, so it speculates again once the batch thins out or its drafts start to hold.
+drafting, down to plain decoding. The batch's rate is measured every round, so drafting
+resumes as soon as the batch thins out; to notice its drafts starting to hold, it still drafts
+a probe round after ``PROBE_EVERY`` skipped ones, and each probe that leaves it not worth
+doubles the wait (up to ``PROBE_MOST``): at saturation a drafter that never pays costs a
+probe now and then, not one round in eight of every request.
 
 No threshold is fixed: both sides are measured, the rate from the batch's rounds, the gain
 and milliseconds from the request's own — shrunk toward what the method's drafting brought
@@ -19,7 +22,10 @@ on the launch's earlier requests (a ``DraftWorth`` of all their rounds, worth ``
 rounds of the request's own). A request's first rounds say little: a structured output's first value is
 new text no draft knows, and its structure after it is nearly all drafted; stopping on
 three rounds of such a value cost whole responses their speculation, while drafting on
-through a few bad rounds costs only their drafting milliseconds.
+through a few bad rounds costs only their drafting milliseconds. So a request drafts its
+first ``MEASURED`` rounds, unless the launch has measured ``PRIOR_ROUNDS`` already: then
+the launch's means decide from the first round (a head's first drafting, its catch-up over
+the whole prompt, is its dearest).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from dataclasses import dataclass
 
 EMA = 0.25  # weight of the newest round in the batch's running rate
 MEASURED = 3  # drafted rounds a request is measured over before it may stop drafting
-PROBE_EVERY = 8  # a request not worth its drafting still drafts one round in this many
+PROBE_EVERY = 8  # a request not worth its drafting still drafts a probe round after this many skipped ...
+PROBE_MOST = 64  # ... and after up to this many, the wait doubling with each probe that leaves it not worth
 PRIOR_ROUNDS = 8  # the launch's earlier requests count as this many rounds of a request's own
 
 
@@ -46,6 +53,7 @@ class DraftWorth:
     ms_sum: float = 0.0
     rounds: int = 0
     skipped: int = 0  # rounds skipped in a row
+    probe_every: int = PROBE_EVERY  # the current wait between probes
 
     @property
     def gain(self) -> float | None:
@@ -60,8 +68,12 @@ class DraftWorth:
         gain, ms = self.gain_sum, self.ms_sum
         if self.prior is not None and self.prior.rounds:  # this request's rounds and PRIOR_ROUNDS of the launch's
             gain, ms = gain + PRIOR_ROUNDS * self.prior.gain, ms + PRIOR_ROUNDS * self.prior.ms
-        if self.rounds < MEASURED or gain >= rate * ms or self.skipped + 1 >= PROBE_EVERY:
-            self.skipped = 0
+        measured = self.rounds >= MEASURED or self.prior is not None and self.prior.rounds >= PRIOR_ROUNDS
+        if not measured or gain >= rate * ms:
+            self.skipped, self.probe_every = 0, PROBE_EVERY
+            return True
+        if self.skipped + 1 >= self.probe_every:  # a probe; if it leaves drafting not worth, the next waits longer
+            self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
             return True
         self.skipped += 1
         return False

@@ -10,7 +10,7 @@ from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
 from infer.proposers.head import TreeBudget
 from infer.rounds import loop
-from infer.rounds.backoff import MEASURED, PRIOR_ROUNDS, PROBE_EVERY, DraftWorth, RoundRate
+from infer.rounds.backoff import MEASURED, PRIOR_ROUNDS, PROBE_EVERY, PROBE_MOST, DraftWorth, RoundRate
 from infer.rounds.decoding import DecodeOptions, Runtime
 from schemafill.contract.prompt import prompt_ids
 from schemafill.runtime.loading import load_target, load_tokenizer
@@ -45,6 +45,33 @@ def test_a_launchs_earlier_requests_weigh_as_prior_rounds():
     # with the launch's 4 tokens a round worth PRIOR_ROUNDS of its own: (0 + 8 * 4) >= 0.5 * (6 + 8 * 2)
     assert PRIOR_ROUNDS == 8 and shrunk.worth(rate=0.5)
     assert not shrunk.worth(rate=2.0)  # in a busy enough batch it stops all the same
+
+
+def test_probes_wait_longer_while_they_find_drafting_not_worth_and_drafting_resumes_when_load_falls():
+    w = DraftWorth()
+    for _ in range(MEASURED):
+        w.drafted(committed=2, ms=2.0)  # one token beyond the round's one, 2 ms each
+    waits = []
+    for _ in range(6):  # a batch where 2 ms cost 4 tokens: skipped rounds, then a probe
+        skipped = 0
+        while not w.worth(rate=2.0):
+            skipped += 1
+        waits.append(skipped)
+        w.drafted(committed=2, ms=2.0)  # the probe gains what the others did: still not worth
+    assert waits == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 4 * PROBE_EVERY - 1] + [PROBE_MOST - 1] * 3
+    assert w.worth(rate=0.4)  # the batch thinned out: it drafts at once, no probe needed ...
+    assert [w.worth(rate=2.0) for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]  # ... and waits anew
+
+
+def test_a_launch_measured_over_enough_rounds_decides_a_requests_first_rounds():
+    prior = DraftWorth()
+    for _ in range(PRIOR_ROUNDS - 1):
+        prior.drafted(committed=1, ms=2.0)  # drafting never paid on the launch's earlier requests
+    assert DraftWorth(prior).worth(rate=1.0)  # under PRIOR_ROUNDS rounds: a new request measures its own
+    prior.drafted(committed=1, ms=2.0)
+    w = DraftWorth(prior)
+    assert not w.worth(rate=1.0) and not w.worth(rate=1.0)  # the launch's means decide from its first round
+    assert w.worth(rate=0.0)  # before the batch's rate is measured, it drafts
 
 
 def test_the_rate_is_a_running_mean_of_the_rounds():

@@ -78,4 +78,3 @@ def expected_rate(values: list[float], kept: list[int], cost: Callable[[int], fl
                   host_ms: float = 0.0, base: float = 1.0) -> float:
     """Expected committed tokens per ms of verifying ``kept`` (what ``select`` maximises)."""
     return (base + sum(values[i] for i in kept)) / (host_ms + cost(fixed_rows + len(kept)))
-

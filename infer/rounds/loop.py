@@ -123,7 +123,7 @@ class Drafting:
                         p.extra, p.owners, p.head_drafted)
 
     def offer(self, s: MainSession, p: Proposal) -> Offer:
-        """``p`` as ``select`` prices it, for the batch's best call (``selection.batch_shares``):
+        """``p`` as ``select`` prices it, for the batch's best call (``share.batch_shares``):
         its MAIN tree with each node's value (nothing to choose from without ``pricing``)."""
         fixed = s.pending + sum(len(x.tokens) for x in p.extra)
         if self.pricing is None or self.pricing.round_ms(1) is None:
@@ -317,11 +317,12 @@ class Batch:
         # prompts first (their rows are known), then each request's draft priced with the rest of the call
         for st in streams:
             if not st.prefilled:
-                self._build(st, calls, ALONE, budget)
-                if budget is not None and calls and calls[-1][0] is st:
-                    budget -= calls[-1][1].rows
+                call = self._build(st, calls, ALONE, budget)
+                if budget is not None and call is not None:
+                    budget -= call.rows
         for st, share in zip(decoding, self._shares(decoding, calls)):
-            self._build(st, calls, share)
+            if st.error is None:
+                self._build(st, calls, share)
         if calls:
             began = self.since
             host = 0.0
@@ -418,20 +419,22 @@ class Batch:
                     advance(st, steps, result)
 
     @staticmethod
-    def _build(st: Stream, calls: list[tuple[Stream, Call]], share: Share, budget: int | None = None) -> None:
-        """``st``'s call of this round joins ``calls`` (none when its prompt must wait)."""
+    def _build(st: Stream, calls: list[tuple[Stream, Call]], share: Share, budget: int | None = None
+               ) -> Call | None:
+        """``st``'s call of this round, joining ``calls`` (None when its prompt must wait or it failed)."""
         try:
             call = st.next_call(share, budget)
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             st.error = e
-            return
+            return None
         if call is not None:
             calls.append((st, call))
+        return call
 
     @staticmethod
     def _shares(decoding: list[Stream], calls: list[tuple[Stream, Call]]) -> list[Share]:
         """What each decoding request prices its draft against: the rest of the batch's best
-        call (``selection.batch_shares``) over every request's candidates, beside the rows the
+        call (``share.batch_shares``) over every request's candidates, beside the rows the
         prompts' calls carry that bring a token this round (a prompt's own rows are owed whatever
         anyone drafts: charged to the round, they would make every node beside a prompt look
         cheap, and rounds grow several times beyond what they earn)."""

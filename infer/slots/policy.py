@@ -265,9 +265,7 @@ class SlotDrafting(Drafting):
         return Proposal(main, extra, owners, p.head_drafted)
 
     def offer(self, s: MainSession, p: Proposal) -> Offer:
-        if not self.budget.active:
-            return Offer([], [], self._fixed(s, p) + len(p.cand))
-        return self._forest(s, p)[0]
+        return self._forest(s, p)[0] if self.budget.active else super().offer(s, p)
 
     def _fixed(self, s: MainSession, p: Proposal) -> int:
         """Rows the call carries whatever is chosen: pending tokens, new SIDE contexts."""

@@ -343,14 +343,24 @@ class Batch:
                 except Exception as e:  # noqa: BLE001 - e.g. the client went away (``on_commit`` raised)
                     st.error = e
                     continue
-                if call.kind == "prefill" and self.prefixes is not None:
-                    s = st.s
-                    self.prefixes.keep(s.prompt, s.arena, s.new_aux)  # before the arena's prompt slots can change
+                if self.prefixes is not None:
+                    self._keep(st, call)
             if began is not None:
                 self.rate.round(committed, 1e3 * (time.perf_counter() - began))
         ended = [st for st in self.streams if st.done]
         self.streams = [st for st in self.streams if not st.done]
         return ended
+
+    def _keep(self, st: Stream, call: Call) -> None:
+        """Keep what a later prompt may start from: a prompt once prefilled (requests beside it
+        share its system prompt and tools), and a whole conversation once answered — prompt and
+        response, so an agent's next turn, which carries it on, prefills only what it adds."""
+        s = st.s
+        if call.kind == "prefill":
+            self.prefixes.keep(s.prompt, s.arena, s.new_aux)
+        if s.done and call.kind != "chunk":
+            tokens, aux = s.sequence()
+            self.prefixes.keep(tokens, s.arena, aux)
 
     def prompt_budget(self) -> int:
         """Prompt tokens this round may carry while requests decode: ``prefill_tokens``, or more

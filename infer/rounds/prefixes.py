@@ -1,21 +1,25 @@
 """Prompt prefixes shared across requests: the target's KV and features of prompts already
-prefilled, reused by a later prompt that starts with the same tokens instead of computing
-them again.
+prefilled, and of conversations already answered, reused by a later prompt that starts with
+the same tokens instead of computing them again.
 
 What repeats in a server's traffic is the start of a prompt: a system prompt, the tool
 catalog an agent sends every turn, and an agent's whole earlier conversation, which its next
-turn extends. A prompt's KV at position p depends only on the tokens up to p, so a request
-whose prompt shares its first L tokens with a kept one starts with those L slots copied and
-prefills the rest (at least its last token, whose logits choose the first response token).
-The head's drafting reads the target's features at every prompt position, so they are kept
-beside the KV.
+turn extends — its earlier prompt, the answer the server gave, then the tool's result. So a
+prompt is kept once prefilled and again with its answer once answered (the tokens whose KV the
+request computed, up to its pending ones). A prompt's KV at position p depends only on the
+tokens up to p, so a request whose prompt shares its first L tokens with a kept one starts with
+those L slots copied and prefills the rest (at least its last token, whose logits choose the
+first response token); an answer re-rendered into the next prompt shares tokens as far as it
+is written the way it was generated. The head's drafting reads the target's features at every
+position, so they are kept beside the KV.
 
 Kept prompts are the most recently used ones within a byte budget; a prompt that extends a
 kept one replaces it, and one a kept prompt already covers adds nothing. A copy of
 milliseconds stands in for a prefill of a fraction of a second per thousand tokens on a CPU.
 The copied KV is the KV this target computed for those tokens, so what a request decodes
-is what it decodes without the cache wherever a prompt's KV does not depend on how its
-prefill was split (the batch-invariant backend; the loop's prompt pieces rest on the same).
+is what it decodes without the cache wherever a position's KV does not depend on the call that
+computed it (the batch-invariant backend: a prefill, its pieces, a decoding row and a verified
+tree node compute a row alike; the loop's prompt pieces and verification rest on the same).
 """
 
 from __future__ import annotations
@@ -86,10 +90,10 @@ class PrefixCache:
         self.reused_tokens += n
         return best, n
 
-    def keep(self, prompt: list[int], arena: KVArena, aux: torch.Tensor) -> None:
-        """Keep ``prompt``'s KV (``arena``'s first ``len(prompt)`` slots of its row 0) and its
-        features ``aux`` [len(prompt), 3H]."""
-        tokens = tuple(prompt)
+    def keep(self, sequence: list[int], arena: KVArena, aux: torch.Tensor) -> None:
+        """Keep ``sequence``'s KV (``arena``'s first ``len(sequence)`` slots of its row 0) and its
+        features ``aux`` [len(sequence), 3H]: a prompt, or a prompt and its answer."""
+        tokens = tuple(sequence)
         self.clock += 1
         for p in self.kept:
             if shared_length(p.tokens, tokens) == len(tokens):  # covered already: it stays fresh

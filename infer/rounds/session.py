@@ -100,6 +100,7 @@ class MainSession:
     prompt_aux: torch.Tensor | None = None  # [3H] target features at the prompt's last position
     prompt_final: torch.Tensor | None = None  # [H] the target's final hidden state there (ToolSpec's retrieval key)
     _prompt_aux: list[torch.Tensor] = field(default_factory=list)  # [n, 3H] of prompt pieces prefilled so far
+    _kept_aux: list[torch.Tensor] = field(default_factory=list)  # [M, 3H] each: features of every committed position
 
     def __post_init__(self) -> None:
         self.layout = ArenaLayout(len(self.prompt), self.stop.max_new_tokens, self.scratch, self.side_capacity)
@@ -122,6 +123,12 @@ class MainSession:
     def pending(self) -> int:
         """Committed tokens whose KV the next call computes (its rows before any draft)."""
         return len(self.tokens) - self.n_kv
+
+    def sequence(self) -> tuple[list[int], torch.Tensor]:
+        """The tokens whose KV the arena holds (the prompt and the committed response but its
+        pending tokens) and the target's features at each [n_kv, 3H]: what a later prompt that
+        carries this conversation on may start from (``prefixes.PrefixCache``)."""
+        return self.tokens[:self.n_kv], torch.cat(self._kept_aux)[:self.n_kv]
 
     def decoded(self, **extra) -> Decoded:
         """What the decoder returns: the response and this session's counters."""
@@ -282,6 +289,7 @@ class MainSession:
         else:
             self.tokens += done.tokens
             self.new_aux = on_path
+        self._kept_aux.append(self.new_aux)
         self.n_kv = base + len(accepted)
         self._force()
         extra_choices, extra_aux, r, c = [], [], main_rows, 0

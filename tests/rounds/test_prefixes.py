@@ -13,6 +13,7 @@ from schemafill.contract.prompt import prompt_ids
 from schemafill.runtime.loading import load_target, load_tokenizer
 from schemafill.runtime.storage import KVArena
 from tests.conftest import decode_ar
+from tests.rounds.test_batch import methods
 from tests.decoders.test_schemafill import request
 
 
@@ -100,3 +101,40 @@ def test_a_request_from_a_reused_prefix_decodes_as_without_it(tiny):
     for st, p in zip(streams, prompts):
         assert st.decoded().ids == decode_ar(target, tok, p, 12, eos).ids
     assert cache.reused_tokens >= streams[1].reused
+
+
+@pytest.mark.parametrize("backend", ["eager", "batch_invariant"])
+def test_an_answered_conversation_is_kept_and_its_next_turn_prefills_only_what_it_adds(tiny_target, backend):
+    """A request answered by SchemaFill (its response's KV written by verified tree nodes),
+    then a next turn whose prompt carries that prompt and answer on: it starts from both,
+    leaves the KV a whole prefill would (the same bits on the batch-invariant backend), and
+    decodes what AR decodes without the cache."""
+    target = load_target(tiny_target, torch.float32, torch.device("cpu"), [1, 2, 3], backend=backend)
+    tok = load_tokenizer(str(tiny_target))
+    eos = frozenset({tok.eos_token_id})
+    rt = Runtime(target, tok, eos, 12)
+    sf = methods(target, tok, eos, 12)["schemafill"]
+    first = request("one_tool")
+    cache = PrefixCache(64 << 20)
+    batch = loop.Batch(target, prefixes=cache)
+    answered = sf.stream(first, prompt_ids(first, "plain", tok), DecodeOptions())
+    batch.add(answered)
+    while batch.streams:
+        batch.step()
+    held, _ = answered.s.sequence()
+    assert len(held) == answered.s.n_kv > len(answered.s.prompt)  # the answer's KV is kept too
+    assert [p.tokens for p in cache.kept] == [tuple(held)]  # it replaced its prompt's entry
+    after = held + prompt_ids(request("bm25"), "plain", tok)[:20]  # the next turn: the answer, then more
+    nxt = loop.Stream(rt, after, DecodeOptions(), loop.Drafting())
+    batch.add(nxt)
+    assert nxt.reused == len(held)
+    while batch.streams:
+        batch.step()
+    fresh = loop.Stream(rt, after, DecodeOptions(), loop.Drafting())
+    fresh.s.prefill()
+    n = len(after)
+    for mine, whole in zip(nxt.s.arena.k + nxt.s.arena.v, fresh.s.arena.k + fresh.s.arena.v):
+        if backend == "batch_invariant":
+            assert torch.equal(mine[0, :, :n], whole[0, :, :n])
+        assert torch.allclose(mine[0, :, :n], whole[0, :, :n], atol=1e-5)
+    assert nxt.decoded().ids == decode_ar(target, tok, after, 12, eos).ids

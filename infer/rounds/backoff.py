@@ -25,7 +25,9 @@ three rounds of such a value cost whole responses their speculation, while draft
 through a few bad rounds costs only their drafting milliseconds. So a request drafts its
 first ``MEASURED`` rounds, unless the launch has measured ``PRIOR_ROUNDS`` already: then
 the launch's means decide from the first round (a head's first drafting, its catch-up over
-the whole prompt, is its dearest).
+the whole prompt, is its dearest). Until the launch has, only its first ``PRIOR_ROUNDS``
+requests measure; the others wait for what those find (probing as above) rather than every
+request of a first wave paying its first drafting at once.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class DraftWorth:
     rounds: int = 0
     skipped: int = 0  # rounds skipped in a row
     probe_every: int = PROBE_EVERY  # the current wait between probes
+    measuring: bool = False  # it drafts to measure the launch's drafting, which is not measured yet
+    measurers: int = 0  # (the launch's) requests that have done so
 
     @property
     def gain(self) -> float | None:
@@ -69,13 +73,24 @@ class DraftWorth:
         if self.prior is not None and self.prior.rounds:  # this request's rounds and PRIOR_ROUNDS of the launch's
             gain, ms = gain + PRIOR_ROUNDS * self.prior.gain, ms + PRIOR_ROUNDS * self.prior.ms
         measured = self.rounds >= MEASURED or self.prior is not None and self.prior.rounds >= PRIOR_ROUNDS
-        if not measured or gain >= rate * ms:
+        if gain >= rate * ms if measured else self._measures():
             self.skipped, self.probe_every = 0, PROBE_EVERY
             return True
         if self.skipped + 1 >= self.probe_every:  # a probe; if it leaves drafting not worth, the next waits longer
             self.skipped, self.probe_every = 0, min(2 * self.probe_every, PROBE_MOST)
             return True
         self.skipped += 1
+        return False
+
+    def _measures(self) -> bool:
+        """Does this request draft to measure (neither it nor its launch is measured)? Without a
+        launch, always; within one, its first ``PRIOR_ROUNDS`` requests only."""
+        if self.prior is None or self.measuring:
+            return True
+        if self.prior.measurers < PRIOR_ROUNDS:
+            self.measuring = True
+            self.prior.measurers += 1
+            return True
         return False
 
     def drafted(self, committed: int, ms: float) -> None:

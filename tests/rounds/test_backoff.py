@@ -74,6 +74,21 @@ def test_a_launch_measured_over_enough_rounds_decides_a_requests_first_rounds():
     assert w.worth(rate=0.0)  # before the batch's rate is measured, it drafts
 
 
+def test_until_the_launch_is_measured_only_its_first_requests_draft_to_measure_it():
+    prior = DraftWorth()
+    wave = [DraftWorth(prior) for _ in range(PRIOR_ROUNDS + 3)]  # a first wave joining together
+    first = [w.worth(rate=5.0) for w in wave]
+    assert first == [True] * PRIOR_ROUNDS + [False] * 3 and prior.measurers == PRIOR_ROUNDS
+    assert all(w.worth(rate=5.0) for w in wave[:PRIOR_ROUNDS])  # the measuring ones go on measuring
+    for w in wave[:PRIOR_ROUNDS]:
+        w.drafted(committed=4, ms=1.0)  # drafting pays: 3 tokens beyond the round's one for 1 ms
+    assert prior.rounds == PRIOR_ROUNDS and all(w.worth(rate=1.0) for w in wave[PRIOR_ROUNDS:])  # now measured
+    late = [DraftWorth(prior) for _ in range(2)]
+    assert all(w.worth(rate=5.0) is False for w in late)  # and it decides a new request's first round
+    waiting = DraftWorth(DraftWorth(measurers=PRIOR_ROUNDS))  # the measurers have not drafted a round yet
+    assert [waiting.worth(rate=1.0) for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]  # a probe
+
+
 def test_the_rate_is_a_running_mean_of_the_rounds():
     r = RoundRate()
     r.round(8, 16.0)

@@ -55,12 +55,15 @@ class NodeBudget:
         the round loop may also stop a request's drafting that does not pay (``rounds/backoff.py``)."""
         return self.cost is not None and self.fixed_host_ms is None
 
-    def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE) -> Candidates:
+    def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE,
+               values: list[float] | None = None) -> Candidates:
         """The candidates this round verifies, with ``fixed_rows`` rows in the call regardless
-        (pending tokens, other segments) and ``share`` from the rest of the batch."""
+        (pending tokens, other segments) and ``share`` from the rest of the batch; ``values``:
+        theirs (``values``) where already computed this round."""
         if self.cost is None or not len(cand):
             return cand
-        return cand.subset(self.keep(cand.parents, self.values(cand), fixed_rows, share=share))
+        values = self.values(cand) if values is None else values
+        return cand.subset(self.keep(cand.parents, values, fixed_rows, share=share))
 
     def keep(self, parents: list[int], values: list[float], fixed_rows: int, side: bool = False,
              share: Share = ALONE) -> list[int]:

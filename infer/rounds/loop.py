@@ -53,7 +53,8 @@ class Proposal:
 class Pricing(Protocol):
     """What selection needs to learn (``pricing/budget.NodeBudget``)."""
 
-    def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE) -> Candidates: ...
+    def choose(self, cand: Candidates, fixed_rows: int = 1, share: Share = ALONE,
+               values: list[float] | None = None) -> Candidates: ...
 
     def observe(self, cand: Candidates, v: Verified, head_drafted: bool = False) -> None: ...
 
@@ -114,12 +115,14 @@ class Drafting:
         ``backoff.py``): whatever the method must see of every round (the target's features
         of the newest positions) waits for its next draft."""
 
-    def select(self, s: MainSession, p: Proposal, share: Share = ALONE) -> Proposal:
+    def select(self, s: MainSession, p: Proposal, share: Share = ALONE, offer: Offer | None = None) -> Proposal:
         """The candidates worth their cost (all of them without ``pricing``), as rows of a call
-        that also carries ``share`` (the rest of the batch)."""
+        that also carries ``share`` (the rest of the batch); ``offer``: ``p`` as ``offer`` priced
+        it this round, if it did."""
         if self.pricing is None:
             return p
-        return Proposal(self.pricing.choose(p.cand, s.pending + sum(len(x.tokens) for x in p.extra), share),
+        values = offer.values if offer is not None else None
+        return Proposal(self.pricing.choose(p.cand, s.pending + sum(len(x.tokens) for x in p.extra), share, values),
                         p.extra, p.owners, p.head_drafted)
 
     def offer(self, s: MainSession, p: Proposal) -> Offer:
@@ -233,10 +236,11 @@ class Stream:
         """This round's draft (``drafted``), its drafter's forwards yielded as steps."""
         self.drafted = yield from self.drafting.drafting(self.s)
 
-    def next_call(self, share: Share = ALONE, prefill_tokens: int | None = None) -> Call | None:
+    def next_call(self, share: Share = ALONE, prefill_tokens: int | None = None, offer: Offer | None = None
+                  ) -> Call | None:
         """This round's call: a piece of the prompt (when more than ``prefill_tokens`` of it are
         left; None when none may go this round), the prefill with the method's first proposal,
-        or the selected part of the round's draft (``drafted``)."""
+        or the selected part of the round's draft (``drafted``; ``offer``: as the batch priced it)."""
         s, d = self.s, self.drafting
         if not self.prefilled:
             if prefill_tokens is not None and self.prompt_left > prefill_tokens:
@@ -247,7 +251,7 @@ class Stream:
         else:
             started = time.perf_counter()
             with self.phases("drafting"):
-                self.proposal = p = d.select(s, self.drafted, share)
+                self.proposal = p = d.select(s, self.drafted, share, offer)
             if self.draft_ms is not None:
                 self.draft_ms += 1e3 * (time.perf_counter() - started)
             call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
@@ -320,9 +324,9 @@ class Batch:
                 call = self._build(st, calls, ALONE, budget)
                 if budget is not None and call is not None:
                     budget -= call.rows
-        for st, share in zip(decoding, self._shares(decoding, calls)):
+        for st, (share, offer) in zip(decoding, self._shares(decoding, calls)):
             if st.error is None:
-                self._build(st, calls, share)
+                self._build(st, calls, share, offer=offer)
         if calls:
             began = self.since
             host = 0.0
@@ -429,11 +433,11 @@ class Batch:
                     advance(st, steps, result)
 
     @staticmethod
-    def _build(st: Stream, calls: list[tuple[Stream, Call]], share: Share, budget: int | None = None
-               ) -> Call | None:
+    def _build(st: Stream, calls: list[tuple[Stream, Call]], share: Share, budget: int | None = None,
+               offer: Offer | None = None) -> Call | None:
         """``st``'s call of this round, joining ``calls`` (None when its prompt must wait or it failed)."""
         try:
-            call = st.next_call(share, budget)
+            call = st.next_call(share, budget, offer)
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             st.error = e
             return None
@@ -442,12 +446,20 @@ class Batch:
         return call
 
     @staticmethod
-    def _shares(decoding: list[Stream], calls: list[tuple[Stream, Call]]) -> list[Share]:
-        """What each decoding request prices its draft against: the rest of the batch's best
+    def _shares(decoding: list[Stream], calls: list[tuple[Stream, Call]]) -> list[tuple[Share, Offer | None]]:
+        """What each decoding request prices its draft against — the rest of the batch's best
         call (``share.batch_shares``) over every request's candidates, beside the rows the
         prompts' calls carry that bring a token this round (a prompt's own rows are owed whatever
         anyone drafts: charged to the round, they would make every node beside a prompt look
-        cheap, and rounds grow several times beyond what they earn)."""
+        cheap, and rounds grow several times beyond what they earn) — and its ``Offer``, which
+        its selection reads instead of pricing its draft again."""
+        pricing = next((st.drafting.pricing for st in decoding if st.drafting.pricing is not None
+                        and st.drafting.pricing.round_ms(1) is not None), None)
+        if pricing is None:  # nothing is chosen: every request verifies what it proposed
+            return [(ALONE, None)] * len(decoding)
+        prompts = sum(call.priced_rows for _, call in calls)
+        if len(decoding) == 1:  # alone beside the prompts: its best call is its own choice
+            return [(Share(prompts, 0.0), None)]
         offers: list[Offer] = []
         for st in decoding:
             try:
@@ -455,13 +467,8 @@ class Batch:
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 st.error = e
                 offers.append(Offer([], [], 0, 0.0))
-        pricing = next((st.drafting.pricing for st in decoding if st.error is None and st.drafting.pricing is not None
-                        and st.drafting.pricing.round_ms(1) is not None), None)
-        if pricing is None:  # nothing is chosen: every request verifies what it proposed
-            return [ALONE] * len(decoding)
         side = any(st.drafted.extra for st in decoding)
-        prompts = sum(call.priced_rows for _, call in calls)
-        return batch_shares(offers, lambda n: pricing.round_ms(n, side), prompts)
+        return list(zip(batch_shares(offers, lambda n: pricing.round_ms(n, side), prompts), offers))
 
 
 def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> Decoded:

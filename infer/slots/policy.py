@@ -236,7 +236,7 @@ class SlotDrafting(Drafting):
             extra, owners = side.segments(open_new=self._sides_pay())
         return Proposal(cand, extra, owners, self.drafter.drafted)
 
-    def select(self, s: MainSession, p: Proposal, share: Share = ALONE) -> Proposal:
+    def select(self, s: MainSession, p: Proposal, share: Share = ALONE, offer: Offer | None = None) -> Proposal:
         """The MAIN nodes and SIDE steps worth their cost this round, chosen together: MAIN's
         by their chance to be accepted, a SIDE step's rows by the ledger's return on SIDE rows,
         its head-drafted second row by how often SIDE drafts hold; MAIN's nodes alone compete
@@ -247,7 +247,7 @@ class SlotDrafting(Drafting):
         cand, extra, owners = p.cand, p.extra, p.owners
         if not self.budget.active:
             return Proposal(self.budget.choose(cand, self._fixed(s, p), share), extra, owners, p.head_drafted)
-        offer, first_rows = self._forest(s, p)
+        offer, first_rows = self._forest(s, p, offer)
         parents, values, fixed = offer.parents, offer.values, offer.fixed_rows
         kept, rate = self.budget.best(parents, values, fixed, bool(extra), share)
         if first_rows and None not in first_rows:
@@ -271,19 +271,25 @@ class SlotDrafting(Drafting):
         """Rows the call carries whatever is chosen: pending tokens, new SIDE contexts."""
         return s.pending + sum(len(seg.tokens) for seg, step in zip(p.extra, self.side.steps(p.owners)) if not step)
 
-    def _forest(self, s: MainSession, p: Proposal) -> tuple[Offer, list[int | None]]:
-        """MAIN's tree and every SIDE step's rows as one forest in selection's currency, and
-        the index of each segment's first row in it (None: a new context, always sent)."""
-        parents, values = list(p.cand.parents), self.budget.values(p.cand)
-        worth, draft_rate = self.ledger.per_row, self.budget.stats.rate(SIDE_DRAFT)
+    def _forest(self, s: MainSession, p: Proposal, offer: Offer | None = None) -> tuple[Offer, list[int | None]]:
+        """MAIN's tree and every SIDE step's rows as one forest in selection's currency (``offer``
+        where this round's is given), and the index of each segment's first row in it (None: a
+        new context, always sent)."""
         first_rows: list[int | None] = []
+        n = len(p.cand)
         for seg, step in zip(p.extra, self.side.steps(p.owners)):
-            first_rows.append(len(parents) if step else None)
-            if step:
-                for r in range(len(seg.tokens)):
-                    parents.append(ROOT if r == 0 else len(parents) - 1)
-                    values.append(worth if r == 0 else worth * draft_rate)
-        return Offer(parents, values, self._fixed(s, p)), first_rows
+            first_rows.append(n if step else None)
+            n += len(seg.tokens) if step else 0
+        if offer is None:
+            parents, values = list(p.cand.parents), self.budget.values(p.cand)
+            worth, draft_rate = self.ledger.per_row, self.budget.stats.rate(SIDE_DRAFT)
+            for seg, first in zip(p.extra, first_rows):
+                if first is not None:
+                    for r in range(len(seg.tokens)):
+                        parents.append(ROOT if r == 0 else len(parents) - 1)
+                        values.append(worth if r == 0 else worth * draft_rate)
+            offer = Offer(parents, values, self._fixed(s, p))
+        return offer, first_rows
 
     def observe(self, s: MainSession, p: Proposal, v: Verified) -> None:
         self.budget.observe(p.cand, v, p.head_drafted)

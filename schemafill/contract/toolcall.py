@@ -3,8 +3,8 @@
 Owns ``ToolRequest`` (one OpenAI-style request: messages, tool catalog, optional
 reference calls, and for a structured output the schema its answer follows), its validation and
 normalisation, and the canonical validation of a response
-``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, whose text ``response_format`` owns. Prompt rendering lives in ``prompt``; parsing a partial response
-in ``parser``.
+``{"tool_calls": [{"name": ..., "arguments": {...}}]}``, whose text ``response_format`` owns.
+Prompt rendering lives in ``prompt``; parsing a partial response in ``parser``.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
     late = loop.Stream(rt, long_prompt, DecodeOptions(), loop.Drafting())
     piece = late.next_call(prefill_tokens=32)
     assert piece.kind == "chunk" and piece.rows == 32 and piece.priced_rows == 0
-    assert loop.Batch._shares([decoding], [(late, piece)]) == [Share(0, 0.0)]
+    assert loop.Batch._shares([decoding], [(late, piece)]) == [(Share(0, 0.0), None)]
 
     r = request("one_tool")
     joining = sf.stream(r, prompt_ids(r, "plain", tok), DecodeOptions())
@@ -198,9 +198,9 @@ def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
     assert prefill.kind == "prefill" and tree > 0  # the forecast's first proposal rides with it
     # the prompt's last token (its logits give the first token), the tree and the SIDE rows
     assert prefill.priced_rows == 1 + tree + prefill.extra_rows < prefill.rows
-    assert loop.Batch._shares([decoding], [(joining, prefill)]) == [Share(prefill.priced_rows, 0.0)]
+    assert loop.Batch._shares([decoding], [(joining, prefill)]) == [(Share(prefill.priced_rows, 0.0), None)]
     unpriced = loop.Stream(rt, prompt_ids(request("bm25"), "plain", tok), DecodeOptions(), loop.Drafting())
-    assert loop.Batch._shares([unpriced], [(joining, prefill)]) == [loop.ALONE]  # it keeps what it proposed
+    assert loop.Batch._shares([unpriced], [(joining, prefill)]) == [(loop.ALONE, None)]  # it keeps what it proposed
 
 
 def test_each_request_prices_its_draft_against_the_batchs_best_call(tiny):
@@ -217,8 +217,9 @@ def test_each_request_prices_its_draft_against_the_batchs_best_call(tiny):
     for st in streams:
         st.s.prefill()
         st.prefilled = True
-    shares = loop.Batch._shares(streams, [])
-    assert shares == [Share(1, 1.0), Share(3, pytest.approx(2.85))]
+    shares, offers = zip(*loop.Batch._shares(streams, []))
+    assert shares == (Share(1, 1.0), Share(3, pytest.approx(2.85)))
+    assert [o.values for o in offers] == [[0.95, 0.9], [0.6]]  # what each one's selection then reads
     assert select([-1], [0.6], lambda n: STEEP(n + 1), 1, base=2.0) == [0]  # priced beside plain decoding
     assert select([-1], [0.6], lambda n: STEEP(n + shares[1].rows), 1, base=1 + shares[1].tokens) == []
     assert select([-1, 0], [0.95, 0.9], lambda n: STEEP(n + shares[0].rows), 1, base=1 + shares[0].tokens) == [0, 1]

@@ -37,9 +37,9 @@ class Recording(loop.Drafting):
         self.steps.append("draft")
         return loop.Proposal(self._next(s))
 
-    def select(self, s, p, share=loop.ALONE):
+    def select(self, s, p, share=loop.ALONE, offer=None):
         self.steps.append("select")
-        return super().select(s, p, share)
+        return super().select(s, p, share, offer)
 
     def observe(self, s, p, v):
         self.steps.append("observe")

@@ -31,7 +31,7 @@ def arena(hd: int, capacity: int, dtype: torch.dtype, seed: int) -> tuple[torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hd", [64, 24])
+@pytest.mark.parametrize("hd", [64, 128, 24])
 def test_the_kernel_is_attention(dtype, hd):
     k, v = arena(hd, 90, dtype, 0)
     q = torch.randn(1, HQ, 7, hd).to(dtype)
@@ -66,16 +66,21 @@ def test_rotary_arena_writes_and_attention_in_one_call(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_gets_the_same_bits_alone_and_among_many(dtype):
-    k, v = arena(64, 300, dtype, 1)
-    q = torch.randn(1, HQ, 40, 64).to(dtype)
+@pytest.mark.parametrize("hd", [64, 128, 24])
+def test_a_row_gets_the_same_bits_alone_and_among_many(dtype, hd):
+    """A row alone or among a few (a decoding step, a small tree: slots side by side where the
+    head dimension allows, else a narrow or a row block) gets the bits it gets among 120 rows a
+    KV head (row blocks of 16), whatever the call's reach."""
+    k, v = arena(hd, 300, dtype, 1)
+    q = torch.randn(1, HQ, 40, hd).to(dtype)
     visible = torch.rand(1, 40, 290) < 0.8
     visible[..., 0] = True
-    together = kernels.attend(q, [k], [v], visible)  # 120 rows per KV head: 8 blocks of 16 lanes
-    for r in (0, 5, 39):
-        reach = int(visible[0, r].nonzero().max()) + 1
-        alone = kernels.attend(q[:, :, r:r + 1], [k], [v], visible[:, r:r + 1, :reach])  # 3 rows: the narrow block's 4 lanes
-        assert torch.equal(alone[:, :, 0], together[:, :, r])
+    together = kernels.attend(q, [k], [v], visible)
+    for start, n in ((0, 1), (5, 1), (39, 1), (3, 2), (7, 5), (20, 11), (8, 32)):  # 3 to 96 rows a KV head
+        rows = slice(start, start + n)
+        reach = int(visible[0, rows].nonzero()[:, 1].max()) + 1
+        few = kernels.attend(q[:, :, rows], [k], [v], visible[:, rows, :reach])
+        assert torch.equal(few, together[:, :, rows]), (start, n)
     assert not torch.equal(together[:, :, 0], together[:, :, 1])
 
 

@@ -9,8 +9,9 @@
  * verification gets the bits a one-row AR step at the same position gets, provided its
  * visible keys sit in the arena in position order (the decoders lay MAIN out so).
  *
- * How: query rows sharing a KV head are computed side by side, one per lane, and every sum
- * runs along one lane in slot order —
+ * How: query rows sharing a KV head are computed side by side, one per lane (where a call
+ * has few such rows, as a decoding step does, slots take the lanes instead), and every sum
+ * is one chain in a fixed order, whichever lane it runs in —
  *   score(r, s) = fma chain over d = 0 .. hd-1 (q pre-scaled),
  *   max over visible slots (exact whatever the order),
  *   p = exp(score - max), l = sum of p in slot order,
@@ -30,6 +31,7 @@
 #define NARROW_LANES 4  /* where a KV head has this few query rows (a one-token step): fewer idle lanes */
 #define U 8    /* slots scored at once: independent fma chains */
 #define DV 64  /* value dimensions accumulated at once */
+#define SAME(x) (x)
 
 static inline float from_bf16(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -144,7 +146,202 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
     }                                                                                            \
 }
 
-#define DEFINE_ATTEND(NAME, T, LOAD, STORE, BLOCK, NARROW)                                       \
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Few query rows of one KV head (a decoding step's G rows, a small tree's): slots side by
+ * side instead, 16 slots a vector, so no lane idles whatever the row count, and the keys and
+ * values are read once for all the rows. A row's score for a slot is still one fma chain over
+ * d = 0 .. hd-1, its max, exponentials, sum and value chains the ones the row-lane blocks run,
+ * in the same order: the same bits (what the blocks' callers pick between may differ per call).
+ * The keys come 16 slots at a time, transposed in registers. */
+#define SLOT_ROWS 96  /* a KV head's rows up to which slots take the lanes (past it, a causal prompt's rows reach
+                       * so differently that row blocks, each to its own reach, do less) */
+#define SLOT_WIDTH(hd) ((hd) % 32 == 0)  /* whole 16-lane transposes in either dtype */
+
+/* r[i][j] <- r[j][i] for 16 vectors of 16 dwords: the off-diagonal halves, quarters, eighths
+ * and sixteenths swapped in turn */
+static inline __attribute__((always_inline)) void swap_blocks(__m512i r[16], const int h) {
+    int lo[16], hi[16];
+    for (int c = 0; c < 16; c++) {
+        lo[c] = c & h ? 16 + c - h : c;
+        hi[c] = c & h ? 16 + c : c + h;
+    }
+    const __m512i li = _mm512_loadu_si512(lo), hj = _mm512_loadu_si512(hi);
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < 16; i++)
+        if (!(i & h)) {
+            __m512i a = r[i], b = r[i + h];
+            r[i] = _mm512_permutex2var_epi32(a, li, b);
+            r[i + h] = _mm512_permutex2var_epi32(a, hj, b);
+        }
+}
+
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    swap_blocks(r, 8);
+    swap_blocks(r, 4);
+    swap_blocks(r, 2);
+    swap_blocks(r, 1);
+}
+
+/* kT [hd][16] fp32: the keys of ``un`` slots (the rest zero) turned so that a slot is a lane */
+static inline void keys_across_bf16(const uint16_t *K, int64_t kss, int hd, int un, float *kT) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int u = 0; u < 16; u++)  /* the next block's keys, while these are turned */
+        for (int c = 0; c < hd; c += 32) _mm_prefetch((const char *)(K + (16 + u) * kss + c), _MM_HINT_T0);
+    for (int c = 0; c < hd; c += 32) {
+        __m512i r[16];
+        _Pragma("GCC unroll 16")
+        for (int u = 0; u < 16; u++) r[u] = u < un ? _mm512_loadu_si512(K + u * kss + c) : _mm512_setzero_si512();
+        transpose16(r);  /* r[p]: dimensions c + 2p (low half) and c + 2p + 1 (high half) of each slot */
+        _Pragma("GCC unroll 16")
+        for (int p = 0; p < 16; p++) {
+            _mm512_store_ps(kT + (c + 2 * p) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(r[p], 16)));
+            _mm512_store_ps(kT + (c + 2 * p + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(r[p], high)));
+        }
+    }
+}
+
+static inline void keys_across_f32(const float *K, int64_t kss, int hd, int un, float *kT) {
+    for (int c = 0; c < hd; c += 16) {
+        __m512i r[16];
+        _Pragma("GCC unroll 16")
+        for (int u = 0; u < 16; u++) r[u] = u < un ? _mm512_loadu_si512(K + u * kss + c) : _mm512_setzero_si512();
+        transpose16(r);
+        _Pragma("GCC unroll 16")
+        for (int d = 0; d < 16; d++) _mm512_store_si512(kT + (c + d) * 16, r[d]);
+    }
+}
+
+static inline __m512 value16_bf16(const uint16_t *v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)v)), 16));
+}
+
+static inline __m512 value16_f32(const float *v) { return _mm512_loadu_ps(v); }
+
+/* S[i][0..15] = the scores of ``rows`` rows (qs [rows][hd]) against kT's 16 slots */
+static inline __attribute__((always_inline)) void slot_scores(const int rows, int hd, const float *restrict kT,
+                                                              const float *restrict qs, float *restrict S, int64_t ss) {
+    __m512 acc[8];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        const __m512 k = _mm512_load_ps(kT + d * 16);
+        for (int i = 0; i < rows; i++) acc[i] = _mm512_fmadd_ps(k, _mm512_set1_ps(qs[i * hd + d]), acc[i]);
+    }
+    for (int i = 0; i < rows; i++) _mm512_store_ps(S + i * ss, acc[i]);
+}
+
+#define SCORES(R) static void scores##R(int hd, const float *kT, const float *qs, float *S, int64_t ss) { \
+    slot_scores(R, hd, kT, qs, S, ss); }
+SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8)
+typedef void (*scores_fn)(int, const float *, const float *, float *, int64_t);
+static const scores_fn SCORES_OF[9] = {0, scores1, scores2, scores3, scores4, scores5, scores6, scores7, scores8};
+
+/* o[i][0 .. 16·nv) = the fma chain over slots of p[i][s] · v[s] for ``rows`` rows */
+#define DEFINE_SLOT_VALUES(NAME, T, VALUE16)                                                     \
+static inline __attribute__((always_inline)) void NAME##_of(const int rows, const int nv, int reach, \
+        const T *restrict V, int64_t kss, const float *restrict P, int64_t ps, float *restrict o, int hd) { \
+    __m512 acc[4][4];                                                                            \
+    for (int i = 0; i < rows; i++) for (int c = 0; c < nv; c++) acc[i][c] = _mm512_setzero_ps(); \
+    for (int s = 0; s < reach; s++) {                                                            \
+        _mm_prefetch((const char *)(V + (s + 8) * kss), _MM_HINT_T0);                            \
+        __m512 vf[4];                                                                            \
+        for (int c = 0; c < nv; c++) vf[c] = VALUE16(V + s * kss + 16 * c);                      \
+        for (int i = 0; i < rows; i++) {                                                         \
+            const __m512 p = _mm512_set1_ps(P[i * ps + s]);                                      \
+            for (int c = 0; c < nv; c++) acc[i][c] = _mm512_fmadd_ps(vf[c], p, acc[i][c]);       \
+        }                                                                                        \
+    }                                                                                            \
+    for (int i = 0; i < rows; i++) for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + i * hd + 16 * c, acc[i][c]); \
+}                                                                                                \
+static void NAME(int rows, int nv, int reach, const T *V, int64_t kss, const float *P, int64_t ps, float *o, int hd) { \
+    switch (rows * 4 + nv - 5) {  /* every (rows, nv) its own registers */                       \
+    case 0: NAME##_of(1, 1, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 1: NAME##_of(1, 2, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 2: NAME##_of(1, 3, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 3: NAME##_of(1, 4, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 4: NAME##_of(2, 1, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 5: NAME##_of(2, 2, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 6: NAME##_of(2, 3, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 7: NAME##_of(2, 4, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 8: NAME##_of(3, 1, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 9: NAME##_of(3, 2, reach, V, kss, P, ps, o, hd); break;                                 \
+    case 10: NAME##_of(3, 3, reach, V, kss, P, ps, o, hd); break;                                \
+    case 11: NAME##_of(3, 4, reach, V, kss, P, ps, o, hd); break;                                \
+    case 12: NAME##_of(4, 1, reach, V, kss, P, ps, o, hd); break;                                \
+    case 13: NAME##_of(4, 2, reach, V, kss, P, ps, o, hd); break;                                \
+    case 14: NAME##_of(4, 3, reach, V, kss, P, ps, o, hd); break;                                \
+    default: NAME##_of(4, 4, reach, V, kss, P, ps, o, hd); break;                                \
+    }                                                                                            \
+}
+
+/* All R rows of one KV head over ``reach`` slots: qs [R][hd] (pre-scaled), mrow[j] each row's
+ * mask row, P [R][rp] and kT [hd][16] scratch; writes o [R][hd] unnormalized and l [R]. */
+#define DEFINE_SLOT_BLOCK(NAME, T, LOAD, STORE, KEYS_ACROSS, VALUES)                            \
+static void NAME(int hd, int reach, int R, const float *restrict qs, const uint8_t *const *mrow, \
+                 const T *restrict K, const T *restrict V, int64_t kss, float *restrict P, int64_t rp, \
+                 float *restrict kT, float *restrict o, float *restrict l) {                     \
+    for (int s0 = 0; s0 < reach; s0 += 16) {                                                     \
+        KEYS_ACROSS(K + s0 * kss, kss, hd, reach - s0 < 16 ? reach - s0 : 16, kT);               \
+        for (int j0 = 0; j0 < R; j0 += 8)                                                        \
+            SCORES_OF[R - j0 < 8 ? R - j0 : 8](hd, kT, qs + j0 * hd, P + j0 * rp + s0, rp);      \
+    }                                                                                            \
+    for (int j = 0; j < R; j++) {                                                                \
+        float *ps = P + j * rp, m = -INFINITY, sum = 0.0f;                                       \
+        const uint8_t *mj = mrow[j];                                                             \
+        for (int s = 0; s < reach; s++) {                                                        \
+            float x = ps[s] + (mj[s] ? 0.0f : -INFINITY);                                        \
+            ps[s] = x;                                                                           \
+            m = x > m ? x : m;                                                                   \
+        }                                                                                        \
+        m = m == -INFINITY ? 0.0f : m;                                                           \
+        _Pragma("omp simd")                                                                      \
+        for (int s = 0; s < reach; s++) ps[s] = exp_neg(ps[s] - m);                              \
+        for (int s = 0; s < reach; s++) sum += ps[s];  /* in slot order */                       \
+        l[j] = sum;                                                                              \
+    }                                                                                            \
+    for (int d0 = 0; d0 < hd; d0 += DV)                                                          \
+        for (int j0 = 0; j0 < R; j0 += 4)                                                        \
+            VALUES(R - j0 < 4 ? R - j0 : 4, (hd - d0 < DV ? hd - d0 : DV) / 16, reach, V + d0, kss, \
+                   P + j0 * rp, rp, o + j0 * hd + d0, hd);                                       \
+}                                                                                                \
+/* KV head g of batch row b: its R query rows (row r: token r / G, query head g·G + r % G) */    \
+static void NAME##_head(int b, int g, int R, int G, int hd, const T *q, int64_t qsb, int64_t qst, \
+                        int64_t qsh, const T *K, const T *V, int64_t kss, const uint8_t *mask,   \
+                        int64_t msb, int64_t mst, int S, T *out, int64_t osb, int64_t ost,       \
+                        int64_t osh, float scale) {                                              \
+    const uint8_t *mrow[SLOT_ROWS];                                                              \
+    int reach = 0;                                                                               \
+    for (int j = 0; j < R; j++) {                                                                \
+        mrow[j] = mask + b * msb + j / G * mst;                                                  \
+        reach = last_visible(mrow[j], S, reach);                                                 \
+    }                                                                                            \
+    const int64_t rp = (reach + 15) / 16 * 16;                                                   \
+    const size_t floats = (size_t)R * (2 * hd + rp) + 16 * hd + SLOT_ROWS;                       \
+    float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);                     \
+    float *qs = buf, *o = qs + R * hd, *kT = o + R * hd, *P = kT + 16 * hd, *l = P + R * rp;     \
+    for (int j = 0; j < R; j++) {                                                                \
+        const T *qr = q + b * qsb + j / G * qst + (g * G + j % G) * qsh;                         \
+        for (int d = 0; d < hd; d++) qs[j * hd + d] = LOAD(qr[d]) * scale;                       \
+    }                                                                                            \
+    NAME(hd, reach, R, qs, mrow, K, V, kss, P, rp, kT, o, l);                                    \
+    for (int j = 0; j < R; j++) {                                                                \
+        T *od = out + b * osb + j / G * ost + (g * G + j % G) * osh;                             \
+        for (int d = 0; d < hd; d++) od[d] = STORE(o[j * hd + d] / l[j]);                        \
+    }                                                                                            \
+    free(buf);                                                                                   \
+}
+
+DEFINE_SLOT_VALUES(slot_values_bf16, uint16_t, value16_bf16)
+DEFINE_SLOT_VALUES(slot_values_f32, float, value16_f32)
+DEFINE_SLOT_BLOCK(slot_block_bf16, uint16_t, from_bf16, to_bf16, keys_across_bf16, slot_values_bf16)
+DEFINE_SLOT_BLOCK(slot_block_f32, float, SAME, SAME, keys_across_f32, slot_values_f32)
+#else  /* row lanes only */
+#define SLOT_ROWS 0
+#define SLOT_WIDTH(hd) 0
+#define slot_block_bf16_head(...) abort()
+#define slot_block_f32_head(...) abort()
+#endif
+
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE, BLOCK, NARROW, SLOT_HEAD)                            \
 DEFINE_BLOCK(BLOCK, LANES, T, LOAD)                                                              \
 DEFINE_BLOCK(NARROW, NARROW_LANES, T, LOAD)                                                      \
 void NAME(int B, int Tq, int Hq, int Hkv, int hd,                                                \
@@ -152,8 +349,8 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
           const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
           const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
           T *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                           \
-    const int G = Hq / Hkv, R = G * Tq;                                                          \
-    const int L = R <= NARROW_LANES ? NARROW_LANES : LANES, nrb = (R + L - 1) / L;               \
+    const int G = Hq / Hkv, R = G * Tq, slotwise = R <= SLOT_ROWS && SLOT_WIDTH(hd);             \
+    const int L = R <= NARROW_LANES ? NARROW_LANES : LANES, nrb = slotwise ? 1 : (R + L - 1) / L; \
     const int64_t items = (int64_t)B * Hkv * nrb;                                                \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
     for (int64_t it = 0; it < items; it++) {                                                     \
@@ -161,6 +358,10 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
         const int g = (int)(it / nrb % Hkv), rb = (int)(it % nrb);                               \
         const T *K = (const T *)(intptr_t)kbase[b] + g * ksh;                                    \
         const T *V = (const T *)(intptr_t)vbase[b] + g * ksh;                                    \
+        if (slotwise) {                                                                          \
+            SLOT_HEAD(b, g, R, G, hd, q, qsb, qst, qsh, K, V, kss, mask, msb, mst, S, out, osb, ost, osh, scale); \
+            continue;                                                                            \
+        }                                                                                        \
         int rows = R - rb * L < L ? R - rb * L : L, reach = 0;                                   \
         for (int j = 0; j < rows; j++)                                                           \
             reach = last_visible(mask + b * msb + (rb * L + j) / G * mst, S, reach);             \
@@ -230,9 +431,8 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
            mask, msb, mst, S, out, osb, ost, osh, scale);                                        \
 }
 
-#define SAME(x) (x)
-DEFINE_ATTEND(attend_f32, float, SAME, SAME, block_f32, narrow_f32)
-DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block_bf16, narrow_bf16)
+DEFINE_ATTEND(attend_f32, float, SAME, SAME, block_f32, narrow_f32, slot_block_f32_head)
+DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block_bf16, narrow_bf16, slot_block_bf16_head)
 
 /* Residual add and RMSNorm of bf16 rows, as the bf16 torch ops round them: s = bf16(x + y)
  * (y may be NULL: s = x), then out = bf16(w * bf16(s * r)) with r = 1 / sqrt(mean(s²) + eps)

@@ -110,16 +110,21 @@ def test_batch_rows_read_their_own_arena_rows():
     assert torch.equal(both[:1], kernels.attend(q[:1], [k0], [v0], visible[:1]))
 
 
+# (family, overrides, chain length): head dims 16 and 24 take row lanes in every call; 32 lets a
+# KV head's few rows take slots side by side, its 60-token tree too many (row blocks)
+FORWARDS = [("llama", {}, 9), ("qwen2", {}, 9), ("qwen3", {}, 9), ("llama", {"hidden_size": 128}, 30)]
+
+
 @bf16_forwards
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_a_bf16_tree_row_is_the_ar_step_bit_for_bit(family):
+@pytest.mark.parametrize("family, overrides, n", FORWARDS, ids=["llama", "qwen2", "qwen3", "llama-hd32"])
+def test_a_bf16_tree_row_is_the_ar_step_bit_for_bit(family, overrides, n):
     """The whole forward: AR steps one token at a time against one call holding the same
     chain interleaved with siblings at the same positions (slots the chain does not see)."""
-    model = hf_model(family, seed=11).to(torch.bfloat16)
+    model = hf_model(family, seed=11, **overrides).to(torch.bfloat16)
     target = from_hf_model(model)
     assert isinstance(target.backend, BatchInvariant) and target.dtype == torch.bfloat16
     rng = random.Random(0)
-    prompt, chain = [rng.randrange(VOCAB) for _ in range(37)], [rng.randrange(VOCAB) for _ in range(9)]
+    prompt, chain = [rng.randrange(VOCAB) for _ in range(37)], [rng.randrange(VOCAB) for _ in range(n)]
     p, width = len(prompt), len(prompt) + 2 * len(chain)
 
     def prefilled():
@@ -234,14 +239,16 @@ def test_silu_mul_rounds_as_torch_does():
 
 
 @bf16_products
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_one_call_a_layer_is_the_layer_by_layer_forward(family):
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("qwen2", {}), ("llama", {"hidden_size": 128})],
+                         ids=["llama", "qwen2", "llama-hd32"])
+def test_one_call_a_layer_is_the_layer_by_layer_forward(family, overrides):
     """``layer_bf16`` chains the kernels the layer-by-layer path calls: the same logits, features
     and arena contents bit for bit — batch rows on their own arena rows (one in reverse), and a
-    packed call of two requests with a tree, each over its own arena (of its own capacity)."""
+    packed call of two requests with a tree, each over its own arena (of its own capacity), the
+    two requests' attention run as one loop."""
     from schemafill.runtime.calls import Part
 
-    invariant = from_hf_model(hf_model(family, seed=9).to(torch.bfloat16))
+    invariant = from_hf_model(hf_model(family, seed=9, **overrides).to(torch.bfloat16))
     fused = invariant.backend.layer_calls
     assert fused is not None
     g = torch.Generator().manual_seed(1)

@@ -341,51 +341,93 @@ DEFINE_SLOT_BLOCK(slot_block_f32, float, SAME, SAME, keys_across_f32, slot_value
 #define slot_block_f32_head(...) abort()
 #endif
 
+/* One attention call (``attend_*``): q [B, Tq, Hq, hd] and out strided; per batch row the
+ * addresses of its arena row's keys and values (kbase, vbase; ksh, kss: their KV-head and slot
+ * strides); mask [B, Tq, S]. Its work splits into items, each one KV head of one batch row
+ * (with row lanes, one block of its rows), run in any order on any thread. */
+typedef struct {
+    int B, Tq, Hq, Hkv, hd, S;
+    const void *q; int64_t qsb, qst, qsh;
+    const int64_t *kbase, *vbase; int64_t ksh, kss;
+    const uint8_t *mask; int64_t msb, mst;
+    void *out; int64_t osb, ost, osh;
+    float scale;
+} attn_call;
+
+static inline int slotwise(const attn_call *a) {
+    return a->Hq / a->Hkv * a->Tq <= SLOT_ROWS && SLOT_WIDTH(a->hd);
+}
+
+static inline int lanes(const attn_call *a) { return a->Hq / a->Hkv * a->Tq <= NARROW_LANES ? NARROW_LANES : LANES; }
+
+static inline int row_blocks(const attn_call *a) {
+    return slotwise(a) ? 1 : (a->Hq / a->Hkv * a->Tq + lanes(a) - 1) / lanes(a);
+}
+
+static inline int64_t attn_items(const attn_call *a) { return (int64_t)a->B * a->Hkv * row_blocks(a); }
+
 #define DEFINE_ATTEND(NAME, T, LOAD, STORE, BLOCK, NARROW, SLOT_HEAD)                            \
 DEFINE_BLOCK(BLOCK, LANES, T, LOAD)                                                              \
 DEFINE_BLOCK(NARROW, NARROW_LANES, T, LOAD)                                                      \
+static void NAME##_item(const attn_call *a, int64_t it) {                                        \
+    const int G = a->Hq / a->Hkv, R = G * a->Tq, L = lanes(a), nrb = row_blocks(a), hd = a->hd;  \
+    const int b = (int)(it / ((int64_t)a->Hkv * nrb));                                           \
+    const int g = (int)(it / nrb % a->Hkv), rb = (int)(it % nrb);                                \
+    const T *q = a->q, *K = (const T *)(intptr_t)a->kbase[b] + g * a->ksh;                       \
+    const T *V = (const T *)(intptr_t)a->vbase[b] + g * a->ksh;                                  \
+    T *out = a->out;                                                                             \
+    if (slotwise(a)) {                                                                           \
+        SLOT_HEAD(b, g, R, G, hd, q, a->qsb, a->qst, a->qsh, K, V, a->kss, a->mask, a->msb, a->mst, a->S, \
+                  out, a->osb, a->ost, a->osh, a->scale);                                        \
+        return;                                                                                  \
+    }                                                                                            \
+    const uint8_t *mask = a->mask + b * a->msb;                                                  \
+    int rows = R - rb * L < L ? R - rb * L : L, reach = 0;                                       \
+    for (int j = 0; j < rows; j++) reach = last_visible(mask + (rb * L + j) / G * a->mst, a->S, reach); \
+    float *buf = aligned_alloc(64, sizeof(float) * ((size_t)(2 * reach + 2 * hd + 1) * L + U * hd + 64)); \
+    float *qT = buf, *o = qT + hd * L, *bias = o + hd * L, *P = bias + (size_t)reach * L;       \
+    float *kbuf = P + (size_t)reach * L, *l = kbuf + U * hd;                                     \
+    for (int j = 0; j < L; j++) {                                                                \
+        int r = rb * L + j;                                                                      \
+        const T *qr = q + b * a->qsb + r / G * a->qst + (g * G + r % G) * a->qsh;                \
+        for (int d = 0; d < hd; d++) qT[d * L + j] = j < rows ? LOAD(qr[d]) * a->scale : 0.0f;   \
+    }                                                                                            \
+    const uint8_t *mrow[LANES];  /* each lane's mask row (idle lanes: the first row's, masked below) */ \
+    for (int j = 0; j < L; j++) mrow[j] = mask + (j < rows ? (rb * L + j) / G : 0) * a->mst;     \
+    for (int s = 0; s < reach; s++)                                                              \
+        for (int j = 0; j < L; j++) bias[s * L + j] = j < rows && mrow[j][s] ? 0.0f : -INFINITY; \
+    (L == LANES ? BLOCK : NARROW)(hd, reach, qT, bias, K, V, a->kss, P, kbuf, o, l, rows);       \
+    for (int j = 0; j < rows; j++) {                                                             \
+        int r = rb * L + j;                                                                      \
+        T *od = out + b * a->osb + r / G * a->ost + (g * G + r % G) * a->osh;                    \
+        for (int d = 0; d < hd; d++) od[d] = STORE(o[d * L + j] / l[j]);                         \
+    }                                                                                            \
+    free(buf);                                                                                   \
+}                                                                                                \
 void NAME(int B, int Tq, int Hq, int Hkv, int hd,                                                \
           const T *q, int64_t qsb, int64_t qst, int64_t qsh,                                     \
           const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
           const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
           T *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                           \
-    const int G = Hq / Hkv, R = G * Tq, slotwise = R <= SLOT_ROWS && SLOT_WIDTH(hd);             \
-    const int L = R <= NARROW_LANES ? NARROW_LANES : LANES, nrb = slotwise ? 1 : (R + L - 1) / L; \
-    const int64_t items = (int64_t)B * Hkv * nrb;                                                \
+    const attn_call a = {B, Tq, Hq, Hkv, hd, S, q, qsb, qst, qsh, kbase, vbase, ksh, kss, mask, msb, mst, \
+                         out, osb, ost, osh, scale};                                             \
+    const int64_t items = attn_items(&a);                                                        \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
-    for (int64_t it = 0; it < items; it++) {                                                     \
-        const int b = (int)(it / ((int64_t)Hkv * nrb));                                          \
-        const int g = (int)(it / nrb % Hkv), rb = (int)(it % nrb);                               \
-        const T *K = (const T *)(intptr_t)kbase[b] + g * ksh;                                    \
-        const T *V = (const T *)(intptr_t)vbase[b] + g * ksh;                                    \
-        if (slotwise) {                                                                          \
-            SLOT_HEAD(b, g, R, G, hd, q, qsb, qst, qsh, K, V, kss, mask, msb, mst, S, out, osb, ost, osh, scale); \
-            continue;                                                                            \
-        }                                                                                        \
-        int rows = R - rb * L < L ? R - rb * L : L, reach = 0;                                   \
-        for (int j = 0; j < rows; j++)                                                           \
-            reach = last_visible(mask + b * msb + (rb * L + j) / G * mst, S, reach);             \
-        float *buf = aligned_alloc(64, sizeof(float) * ((size_t)(2 * reach + 2 * hd + 1) * L + U * hd + 64)); \
-        float *qT = buf, *o = qT + hd * L, *bias = o + hd * L, *P = bias + (size_t)reach * L;   \
-        float *kbuf = P + (size_t)reach * L, *l = kbuf + U * hd;                                 \
-        for (int j = 0; j < L; j++) {                                                            \
-            int r = rb * L + j;                                                                  \
-            const T *qr = q + b * qsb + r / G * qst + (g * G + r % G) * qsh;                     \
-            for (int d = 0; d < hd; d++) qT[d * L + j] = j < rows ? LOAD(qr[d]) * scale : 0.0f;  \
-        }                                                                                        \
-        const uint8_t *mrow[LANES];  /* each lane's mask row (idle lanes: the first row's, masked below) */ \
-        for (int j = 0; j < L; j++) mrow[j] = mask + b * msb + (j < rows ? (rb * L + j) / G : 0) * mst; \
-        for (int s = 0; s < reach; s++)                                                          \
-            for (int j = 0; j < L; j++) bias[s * L + j] = j < rows && mrow[j][s] ? 0.0f : -INFINITY; \
-        (L == LANES ? BLOCK : NARROW)(hd, reach, qT, bias, K, V, kss, P, kbuf, o, l, rows);       \
-        for (int j = 0; j < rows; j++) {                                                         \
-            int r = rb * L + j;                                                                  \
-            T *od = out + b * osb + r / G * ost + (g * G + r % G) * osh;                         \
-            for (int d = 0; d < hd; d++) od[d] = STORE(o[d * L + j] / l[j]);                     \
-        }                                                                                        \
-        free(buf);                                                                               \
-    }                                                                                            \
+    for (int64_t it = 0; it < items; it++) NAME##_item(&a, it);                                  \
 }
+
+/* The new tokens of one attention call: k, v [B, T, Hkv, hd] and the unrotated q [B, T, Hq,
+ * hd] strided, rotary tables cos, sin [B, T, hd] strided, slots [B, T] (where each token's key
+ * and value go in its batch row's arena row), and where the rotated queries go (qbuf
+ * [B, T, Hq, hd], the attention call's q). */
+typedef struct {
+    const void *q; int64_t qsb, qst, qsh;
+    const void *k; int64_t ksb, kst, ksh;
+    const void *v; int64_t vsb, vst, vsh;
+    const void *cs, *sn; int64_t csb, cst;
+    const int64_t *slots; int64_t ssb;
+    void *qbuf;
+} rope_call;
 
 /* Rotary on new keys and queries, new keys and values into the arena, then attention, in one
  * call: x' = x * cos + roll(x, hd/2) * sin_signed per head, each product and the sum rounded to
@@ -402,6 +444,22 @@ static inline void NAME##_rotate(const T *x, const T *c, const T *sn, int hd, T 
         y[d] = STORE(a + b);                                                                     \
     }                                                                                            \
 }                                                                                                \
+static void NAME##_token(const attn_call *a, const rope_call *r, int64_t bt) {                   \
+    const int b = (int)(bt / a->Tq), t = (int)(bt % a->Tq), hd = a->hd;                          \
+    const T *c = (const T *)r->cs + b * r->csb + t * r->cst, *sv = (const T *)r->sn + b * r->csb + t * r->cst; \
+    const int64_t slot = r->slots[b * r->ssb + t];                                               \
+    T *K = (T *)(intptr_t)a->kbase[b], *V = (T *)(intptr_t)a->vbase[b];                          \
+    for (int h = 0; h < a->Hkv; h++) {                                                           \
+        NAME##_rotate((const T *)r->k + b * r->ksb + t * r->kst + h * r->ksh, c, sv, hd,         \
+                      K + h * a->ksh + slot * a->kss);                                           \
+        const T *vin = (const T *)r->v + b * r->vsb + t * r->vst + h * r->vsh;                   \
+        T *vout = V + h * a->ksh + slot * a->kss;                                                \
+        for (int d = 0; d < hd; d++) vout[d] = vin[d];                                           \
+    }                                                                                            \
+    for (int h = 0; h < a->Hq; h++)                                                              \
+        NAME##_rotate((const T *)r->q + b * r->qsb + t * r->qst + h * r->qsh, c, sv, hd,         \
+                      (T *)r->qbuf + bt * a->Hq * hd + h * hd);                                  \
+}                                                                                                \
 void NAME(int B, int Tq, int Hq, int Hkv, int hd,                                                \
           const T *q, int64_t qsb, int64_t qst, int64_t qsh,                                     \
           const T *k, int64_t ksb, int64_t kst, int64_t ksh_in,                                  \
@@ -411,24 +469,14 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
           const int64_t *kbase, const int64_t *vbase, int64_t ksh, int64_t kss,                  \
           const uint8_t *mask, int64_t msb, int64_t mst, int S,                                  \
           T *qbuf, T *out, int64_t osb, int64_t ost, int64_t osh, float scale) {                 \
+    const attn_call a = {B, Tq, Hq, Hkv, hd, S, qbuf, (int64_t)Tq * Hq * hd, (int64_t)Hq * hd, hd, kbase, vbase, \
+                         ksh, kss, mask, msb, mst, out, osb, ost, osh, scale};                   \
+    const rope_call r = {q, qsb, qst, qsh, k, ksb, kst, ksh_in, v, vsb, vst, vsh, cs, sn, csb, cst, slots, ssb, qbuf}; \
     _Pragma("omp parallel for if (B * Tq > 16)")                                                 \
-    for (int64_t bt = 0; bt < (int64_t)B * Tq; bt++) {                                           \
-        int b = (int)(bt / Tq), t = (int)(bt % Tq);                                              \
-        const T *c = cs + b * csb + t * cst, *sv = sn + b * csb + t * cst;                       \
-        int64_t slot = slots[b * ssb + t];                                                       \
-        T *K = (T *)(intptr_t)kbase[b], *V = (T *)(intptr_t)vbase[b];                            \
-        for (int h = 0; h < Hkv; h++) {                                                          \
-            NAME##_rotate(k + b * ksb + t * kst + h * ksh_in, c, sv, hd, K + h * ksh + slot * kss); \
-            const T *vin = v + b * vsb + t * vst + h * vsh;                                      \
-            T *vout = V + h * ksh + slot * kss;                                                  \
-            for (int d = 0; d < hd; d++) vout[d] = vin[d];                                       \
-        }                                                                                        \
-        for (int h = 0; h < Hq; h++)                                                             \
-            NAME##_rotate(q + b * qsb + t * qst + h * qsh, c, sv, hd,                            \
-                          qbuf + ((int64_t)b * Tq + t) * Hq * hd + h * hd);                      \
-    }                                                                                            \
-    ATTEND(B, Tq, Hq, Hkv, hd, qbuf, (int64_t)Tq * Hq * hd, (int64_t)Hq * hd, hd, kbase, vbase, ksh, kss, \
-           mask, msb, mst, S, out, osb, ost, osh, scale);                                        \
+    for (int64_t bt = 0; bt < (int64_t)B * Tq; bt++) NAME##_token(&a, &r, bt);                   \
+    const int64_t items = attn_items(&a);                                                        \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
+    for (int64_t it = 0; it < items; it++) ATTEND##_item(&a, it);                                \
 }
 
 DEFINE_ATTEND(attend_f32, float, SAME, SAME, block_f32, narrow_f32, slot_block_f32_head)
@@ -622,6 +670,16 @@ typedef struct {
     uint16_t *qkv, *qbuf, *attn, *proj, *gu, *act;  /* scratch */
 } layer_call;
 
+/* the i with first[i] <= x < first[i + 1] (first: n + 1 non-decreasing counts from 0) */
+static int64_t group_of(const int64_t *first, int64_t n, int64_t x) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= x) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 static void run_product(const packed_product *p, int64_t rows, const uint16_t *x, uint16_t *y) {
     product_bf16(rows, p->n, p->k, x, p->k, p->w, p->b, y, p->n);
 }
@@ -631,16 +689,36 @@ void layer_bf16(const layer_call *c, int64_t layer, const packed_product *qkv, c
                 const uint16_t *next_norm, uint16_t *x, uint16_t *h) {
     const int64_t n = c->rows, H = c->H, hd = c->hd, nq = (c->Hq + 2 * c->Hkv) * hd, qw = c->Hq * hd;
     run_product(qkv, n, h, c->qkv);
-    for (int64_t i = 0; i < c->ngroups; i++) {
+    /* every group's rotary and KV writes, then every group's attention, each one parallel loop:
+     * a batch's requests are groups of a few rows, too little work apiece to share two threads */
+    const int64_t ng = c->ngroups;
+    attn_call *calls = malloc(ng * sizeof *calls);
+    rope_call *ropes = malloc(ng * sizeof *ropes);
+    int64_t *token0 = malloc((ng + 1) * sizeof *token0), *item0 = malloc((ng + 1) * sizeof *item0);
+    token0[0] = item0[0] = 0;
+    for (int64_t i = 0; i < ng; i++) {
         const attn_group *g = c->groups + i;
         const uint16_t *q = c->qkv + g->row0 * nq;
         const int64_t *kv = g->kv + layer * 2 * g->B;
-        rope_attend_bf16((int)g->B, (int)g->T, (int)c->Hq, (int)c->Hkv, (int)hd,
-                         q, g->T * nq, nq, hd, q + qw, g->T * nq, nq, hd, q + qw + c->Hkv * hd, g->T * nq, nq, hd,
-                         g->cos, g->sin, g->csb, g->cst, g->slots, g->ssb, kv, kv + g->B, g->ksh, g->kss,
-                         g->mask, g->msb, g->mst, (int)g->S, c->qbuf, c->attn + g->row0 * qw, g->T * qw, qw, hd,
-                         c->scale);
+        calls[i] = (attn_call){(int)g->B, (int)g->T, (int)c->Hq, (int)c->Hkv, (int)hd, (int)g->S,
+                               c->qbuf + g->row0 * qw, g->T * qw, qw, hd, kv, kv + g->B, g->ksh, g->kss,
+                               g->mask, g->msb, g->mst, c->attn + g->row0 * qw, g->T * qw, qw, hd, c->scale};
+        ropes[i] = (rope_call){q, g->T * nq, nq, hd, q + qw, g->T * nq, nq, hd, q + qw + c->Hkv * hd, g->T * nq, nq, hd,
+                               g->cos, g->sin, g->csb, g->cst, g->slots, g->ssb, c->qbuf + g->row0 * qw};
+        token0[i + 1] = token0[i] + g->B * g->T;
+        item0[i + 1] = item0[i] + attn_items(calls + i);
     }
+    #pragma omp parallel for if (token0[ng] > 16)
+    for (int64_t t = 0; t < token0[ng]; t++) {
+        int64_t i = group_of(token0, ng, t);
+        rope_attend_bf16_token(calls + i, ropes + i, t - token0[i]);
+    }
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < item0[ng]; it++) {
+        int64_t i = group_of(item0, ng, it);
+        attend_bf16_item(calls + i, it - item0[i]);
+    }
+    free(calls), free(ropes), free(token0), free(item0);
     run_product(o, n, c->attn, c->proj);
     add_rms_norm_bf16(n, (int)H, x, H, c->proj, H, norm, c->eps, x, H, h, H);
     run_product(gate_up, n, h, c->gu);

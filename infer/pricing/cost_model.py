@@ -108,14 +108,18 @@ class LiveCost:
     rows: dict[tuple[int, bool], int] = field(default_factory=dict)  # summed rows of the calls
     per_row: float = field(init=False)  # the curve's ms per row (its linear fit's slope)
     _points: dict[bool, tuple[list[float], list[float]]] = field(init=False, default_factory=dict)
+    _ms: dict[tuple[int, bool], float] = field(init=False, default_factory=dict)  # until the next observation
 
     def __post_init__(self) -> None:
         self.per_row = self.base.linear_fit()[1]
 
     def __call__(self, n: int, side: bool = False) -> float:
         """Milliseconds of a call of ``n`` rows, ``side``: some of them SIDE rows."""
-        xs, corr = self._corrections(side)
-        return self.base(n) + (interpolate(xs, corr, n) if xs else 0.0)
+        ms = self._ms.get((n, side))
+        if ms is None:  # a batch's round asks for every size up to all of its candidates
+            xs, corr = self._corrections(side)
+            ms = self._ms[n, side] = self.base(n) + (interpolate(xs, corr, n) if xs else 0.0)
+        return ms
 
     def _corrections(self, side: bool) -> tuple[list[float], list[float]]:
         """The measured points of the curve for ``side`` calls: mean sizes, and the correction
@@ -137,6 +141,7 @@ class LiveCost:
         self.calls[key] = self.calls.get(key, 0) + 1
         self.rows[key] = self.rows.get(key, 0) + rows
         self._points.pop(side, None)
+        self._ms.clear()
 
     def summary(self) -> dict:
         """The curve, and per bucket seen, the calls, their mean size and mean correction (ms),

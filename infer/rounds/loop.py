@@ -282,6 +282,10 @@ class Stream:
     def decoded(self) -> Decoded:
         return self.s.decoded(init_nodes=self.init_nodes, times=self.phases.times, **self.drafting.finish(self.s))
 
+    def release(self) -> None:
+        """Its arena to the next request (once it has ended and ``decoded`` was read)."""
+        self.s.release()
+
 
 BIG_FORWARD = 64  # rows of a forward whose time per row stands for a prompt row's
 ROW_EMA = 0.2
@@ -478,8 +482,11 @@ def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Dra
     while batch.streams:
         batch.step()
     if stream.error is not None:
+        stream.release()
         raise stream.error
-    return stream.decoded()
+    decoded = stream.decoded()
+    stream.release()
+    return decoded
 
 
 def decode_all(target: Target, streams: Iterable[Callable[[], Stream]], concurrency: int, prefill_tokens: int = 256
@@ -497,3 +504,4 @@ def decode_all(target: Target, streams: Iterable[Callable[[], Stream]], concurre
             return
         for stream in batch.step():
             yield index.pop(id(stream)), stream
+            stream.release()  # read by now: its arena goes to the next request

@@ -127,8 +127,10 @@ class MainSession:
     def sequence(self) -> tuple[list[int], torch.Tensor]:
         """The tokens whose KV the arena holds (the prompt and the committed response but its
         pending tokens) and the target's features at each [n_kv, 3H]: what a later prompt that
-        carries this conversation on may start from (``prefixes.PrefixCache``)."""
-        return self.tokens[:self.n_kv], torch.cat(self._kept_aux)[:self.n_kv]
+        carries this conversation on may start from (``prefixes.PrefixCache``). A response cut
+        at its stop inside an accepted block leaves KV past its last token: that is not held."""
+        n = min(self.n_kv, len(self.tokens))
+        return self.tokens[:n], torch.cat(self._kept_aux)[:n]
 
     def decoded(self, **extra) -> Decoded:
         """What the decoder returns: the response and this session's counters."""
@@ -136,6 +138,11 @@ class MainSession:
         return Decoded(ids=self.response, text=self.stop.text, stop=self.stop.reason, target_calls=c.target_calls,
                        nodes=c.nodes, kv_rows=c.peak_rows, forced=c.forced, pruned=c.pruned, call_rows=c.call_rows,
                        call_ms=c.call_ms, logprobs=self.stop.logprobs, **extra)
+
+    def release(self) -> None:
+        """The arena back to the target for a later request (``ArenaStock``): call once the
+        request has ended and its answer was read; the session reads no KV after it."""
+        self.target.arenas.give(self.arena)
 
     def reuse(self, k: list[torch.Tensor], v: list[torch.Tensor], aux: torch.Tensor, n: int) -> None:
         """Start from the first ``n`` prompt tokens' KV (per layer [kv_heads, ≥n, head_dim]) and

@@ -311,9 +311,11 @@ class Engine:
 
     def _end(self, job: Job, stream: Stream) -> None:
         if stream.error is not None:
+            stream.release()
             self._finish(job, error=stream.error)
             return
         decoded = stream.decoded()
+        stream.release()
         self.metrics.decoded(job, decoded, time.perf_counter() - job.queued_at, stream.reused)
         self._finish(job, decoded)
 

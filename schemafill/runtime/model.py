@@ -21,7 +21,7 @@ from torch import nn
 
 from schemafill.runtime.calls import Attend, Backend, Forward, Part, Product
 from schemafill.runtime.layers import MLP, RMSNorm, Rotary, fused_linear, plain, rms_norm, signed_sin
-from schemafill.runtime.storage import KVArena
+from schemafill.runtime.storage import ArenaStock, KVArena
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -164,6 +164,7 @@ class Target(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(inv_freq, attention_scaling)
         self.backend: Backend | None = None  # what runs its calls (``runtime.backends.attach``)
+        self.arenas = ArenaStock()  # ended requests' arenas, for the next ones
 
     @property
     def device(self) -> torch.device:
@@ -190,8 +191,11 @@ class Target(nn.Module):
 
     def own_arena(self, rows: int, capacity: int) -> KVArena:
         """A ``KVArena`` of its own shape, dtype and device (what a backend without storage of its
-        own hands out)."""
+        own hands out); a one-row arena (a request's) may be an ended request's, zeroed, with
+        room for up to twice ``capacity`` (``ArenaStock``)."""
         c = self.config
+        if rows == 1:
+            return self.arenas.take(c.num_layers, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
         return KVArena(c.num_layers, rows, c.num_kv_heads, capacity, c.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()

@@ -1,6 +1,7 @@
 """Where keys and values live: ``KVArena``, one preallocated tensor per layer for a batch of
-sequences, and ``ArenaPool``, one such tensor per layer whose rows are handed out as one-row
-arenas (what a CUDA graph reads through a row index instead of an address).
+sequences; ``ArenaPool``, one such tensor per layer whose rows are handed out as one-row
+arenas (what a CUDA graph reads through a row index instead of an address); and
+``ArenaStock``, ended requests' one-row arenas kept for the next ones.
 
 An arena stores and serves slots; who owns which slot (prompt, committed response, SIDE
 branch, scratch) is the decoder's business (``infer/rounds/arena.py``). Nothing here knows
@@ -9,6 +10,7 @@ which backend reads it.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -106,6 +108,59 @@ class KVArena:
         if rows is None:
             return k, v
         return k[rows], v[rows]
+
+
+class ArenaStock:
+    """One-row arenas of requests that have ended, kept for the next ones. A fresh arena of
+    tens of megabytes costs the host page faults (tens of milliseconds under load, serial with
+    a batch's rounds); a kept one, zeroed again, a memset. ``take`` hands out a kept arena of at
+    least the capacity asked and at most twice it, or a new one with room to the next multiple
+    of ``grain`` slots (so that it fits the next prompts too); either comes back when its
+    owner ``give``s it back (a request that ended) or when it is collected, and at most ``keep``
+    wait here. Thread-safe: a server's arenas may be collected on any thread."""
+
+    def __init__(self, keep: int = 32, grain: int = 512) -> None:
+        self.keep, self.grain = keep, grain
+        self.free: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._lock = threading.Lock()
+
+    def take(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device) -> KVArena:
+        def fits(k: list[torch.Tensor]) -> bool:
+            _, heads, width, dim = k[0].shape
+            return (len(k), heads, dim, k[0].dtype, k[0].device) == (layers, kv_heads, head_dim, dtype, device) \
+                and capacity <= width <= 2 * capacity and (inference or not k[0].is_inference())
+
+        inference = torch.is_inference_mode_enabled()  # an arena made in inference mode is written only in it
+
+        with self._lock:
+            i = next((i for i, (k, _) in enumerate(self.free) if fits(k)), None)
+            kept = None if i is None else self.free.pop(i)
+        if kept is None:  # room to the next multiple of ``grain``: later requests' prompts differ in length
+            width = -(-capacity // self.grain) * self.grain
+            arena = KVArena(layers, 1, kv_heads, width, head_dim, dtype, device)
+        else:
+            for t in kept[0] + kept[1]:
+                t.zero_()  # what a fresh arena holds: a slot no request wrote reads as zeros
+            arena = KVArena.over(*kept)
+        arena.returns = weakref.finalize(arena, self._put, arena.k, arena.v)
+        return arena
+
+    def give(self, arena: KVArena) -> None:
+        """``arena`` back from an owner done with it, before it is collected (a request's
+        sessions and drafters may be collected much later). Its slots are the next request's:
+        it is left empty, so a late read fails instead of reading another request's KV. An
+        arena this stock did not hand out is left alone."""
+        returns = getattr(arena, "returns", None)
+        if returns is not None and returns.detach() is not None:
+            k, v = arena.k, arena.v
+            arena.k, arena.v = [], []
+            self._put(k, v)
+
+    def _put(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        with self._lock:
+            if len(self.free) < self.keep:
+                self.free.append((k, v))
 
 
 class ArenaPool:

@@ -121,8 +121,9 @@ def test_an_answered_conversation_is_kept_and_its_next_turn_prefills_only_what_i
     batch.add(answered)
     while batch.streams:
         batch.step()
-    held, _ = answered.s.sequence()
-    assert len(held) == answered.s.n_kv > len(answered.s.prompt)  # the answer's KV is kept too
+    held, aux = answered.s.sequence()
+    assert len(held) == len(aux) > len(answered.s.prompt)  # the answer's KV is kept too
+    assert held == answered.s.tokens[:len(held)] and len(held) >= min(answered.s.n_kv, len(answered.s.tokens))
     assert [p.tokens for p in cache.kept] == [tuple(held)]  # it replaced its prompt's entry
     after = held + prompt_ids(request("bm25"), "plain", tok)[:20]  # the next turn: the answer, then more
     nxt = loop.Stream(rt, after, DecodeOptions(), loop.Drafting())

@@ -126,12 +126,12 @@ class ArenaStock:
 
     def take(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
              device: torch.device) -> KVArena:
+        inference = torch.is_inference_mode_enabled()  # an arena made in inference mode is written only in it
+
         def fits(k: list[torch.Tensor]) -> bool:
             _, heads, width, dim = k[0].shape
             return (len(k), heads, dim, k[0].dtype, k[0].device) == (layers, kv_heads, head_dim, dtype, device) \
                 and capacity <= width <= 2 * capacity and (inference or not k[0].is_inference())
-
-        inference = torch.is_inference_mode_enabled()  # an arena made in inference mode is written only in it
 
         with self._lock:
             i = next((i for i, (k, _) in enumerate(self.free) if fits(k)), None)

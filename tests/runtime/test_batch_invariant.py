@@ -305,12 +305,13 @@ def test_the_cost_curve_of_a_batch_invariant_target_is_its_own():
 
 @bf16_products
 def test_a_write_past_the_arena_is_refused_not_made():
+    # arenas of two rows: a one-row arena may come from the target's stock with room to spare
     invariant = from_hf_model(hf_model("llama", seed=3).to(torch.bfloat16))
     pos = torch.arange(4)[None]
     with pytest.raises(ValueError, match="arena holds 6"):
         invariant.forward(torch.zeros(1, 4, dtype=torch.long), pos, causal_visibility(pos, 4), pos + 3,
-                      invariant.new_arena(1, 6))
+                      invariant.new_arena(2, 6))
     invariant.backend.layer_calls = None  # the layer-by-layer path checks the same
     with pytest.raises(ValueError, match="arena holds 6"):
         invariant.forward(torch.zeros(1, 4, dtype=torch.long), pos, causal_visibility(pos, 4), pos + 3,
-                      invariant.new_arena(1, 6))
+                      invariant.new_arena(2, 6))

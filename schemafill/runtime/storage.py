@@ -38,6 +38,7 @@ class KVArena:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.rows, self.capacity = rows, capacity
         self.pool_row: int | None = None
+        self.returns: weakref.finalize | None = None  # back to the ``ArenaStock`` that handed it out
         self._addresses: torch.Tensor | None = None
 
     @classmethod
@@ -47,6 +48,7 @@ class KVArena:
         arena.k, arena.v = k, v
         arena.rows, arena.capacity = k[0].shape[0], k[0].shape[2]
         arena.pool_row = pool_row
+        arena.returns = None
         arena._addresses = None
         return arena
 
@@ -151,8 +153,7 @@ class ArenaStock:
         sessions and drafters may be collected much later). Its slots are the next request's:
         it is left empty, so a late read fails instead of reading another request's KV. An
         arena this stock did not hand out is left alone."""
-        returns = getattr(arena, "returns", None)
-        if returns is not None and returns.detach() is not None:
+        if arena.returns is not None and arena.returns.detach() is not None:
             k, v = arena.k, arena.v
             arena.k, arena.v = [], []
             self._put(k, v)

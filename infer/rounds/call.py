@@ -66,11 +66,6 @@ class Call:
         tokens' before the tree's root): no logits are read from them."""
         return self.main_rows if self.kind == "chunk" else self.main_rows - len(self.tree_tokens) - 1
 
-    @property
-    def priced_rows(self) -> int:
-        """The rows that bring this round's tokens: what pricing charges a round with."""
-        return self.rows - self.kv_rows
-
 
 @dataclass
 class Output:

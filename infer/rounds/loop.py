@@ -90,7 +90,8 @@ class Drafting:
         """The session exists, nothing is computed yet."""
 
     def first(self, s: MainSession) -> Proposal:
-        """What the prompt's prefill verifies besides the prompt."""
+        """What the prompt's prefill may verify besides the prompt (``select`` chooses from it
+        as from any round's draft)."""
         return Proposal()
 
     def draft(self, s: MainSession) -> Proposal:
@@ -137,6 +138,12 @@ class Drafting:
         """What a round's verification says about the proposal (not called for the prefill)."""
         if self.pricing is not None:
             self.pricing.observe(p.cand, v, p.head_drafted)
+
+    def observe_first(self, s: MainSession, p: Proposal, v: Verified) -> None:
+        """What the prefill's verification says about the first proposal: how often its nodes
+        hold, so that ``select`` prices the next requests' first proposals by it."""
+        if self.pricing is not None and len(p.cand):
+            self.pricing.observe(p.cand, v)
 
     def settle(self, s: MainSession, p: Proposal, v: Verified) -> None:
         """After every target call, the prefill's too: the method's state follows the commit."""
@@ -236,26 +243,32 @@ class Stream:
         """This round's draft (``drafted``), its drafter's forwards yielded as steps."""
         self.drafted = yield from self.drafting.drafting(self.s)
 
+    def finishes_prompt(self, prefill_tokens: int | None) -> bool:
+        """Does the rest of the prompt fit this round's ``prefill_tokens`` (None: any length)?
+        Then the method's first proposal is drafted now (``drafted``), to be priced with the
+        round's other drafts."""
+        if self.prefilled or prefill_tokens is not None and self.prompt_left > prefill_tokens:
+            return False
+        with self.phases("other"):
+            self.drafted = self.drafting.first(self.s)
+        return True
+
     def next_call(self, share: Share = ALONE, prefill_tokens: int | None = None, offer: Offer | None = None
                   ) -> Call | None:
-        """This round's call: a piece of the prompt (when more than ``prefill_tokens`` of it are
-        left; None when none may go this round), the prefill with the method's first proposal,
-        or the selected part of the round's draft (``drafted``; ``offer``: as the batch priced it)."""
+        """This round's call: a piece of the prompt (when it does not ``finishes_prompt``; None
+        when none may go this round), or the selected part of the round's draft (``drafted``;
+        ``offer``: as the batch priced it) — with the rest of the prompt at the prefill."""
         s, d = self.s, self.drafting
+        if not self.prefilled and prefill_tokens is not None and self.prompt_left > prefill_tokens:
+            return s.chunk_call(prefill_tokens) if prefill_tokens > 0 else None
+        started = time.perf_counter()
+        with self.phases("drafting" if self.prefilled else "other"):
+            self.proposal = p = d.select(s, self.drafted, share, offer)
         if not self.prefilled:
-            if prefill_tokens is not None and self.prompt_left > prefill_tokens:
-                return s.chunk_call(prefill_tokens) if prefill_tokens > 0 else None
-            with self.phases("other"):
-                self.proposal = p = d.first(s)
-            call = s.prefill_call(p.cand.tokens, p.cand.parents, p.extra)
-        else:
-            started = time.perf_counter()
-            with self.phases("drafting"):
-                self.proposal = p = d.select(s, self.drafted, share, offer)
-            if self.draft_ms is not None:
-                self.draft_ms += 1e3 * (time.perf_counter() - started)
-            call = s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
-        return call
+            return s.prefill_call(p.cand.tokens, p.cand.parents, p.extra)
+        if self.draft_ms is not None:
+            self.draft_ms += 1e3 * (time.perf_counter() - started)
+        return s.verify_call(p.cand.tokens, p.cand.parents, p.extra)
 
     def take(self, call: Call, out: Output, seconds: float) -> int:
         """Read this request's share of the round's forward (``seconds`` long) and let the
@@ -276,6 +289,7 @@ class Stream:
                     self.worth.drafted(v.committed, self.draft_ms)
             else:
                 self.prefilled, self.init_nodes = True, p.nodes
+                d.observe_first(s, p, v)
             d.settle(s, p, v)
         return v.committed
 
@@ -319,16 +333,25 @@ class Batch:
         """One round for every request; returns those that ended in it (done, or with ``error``)."""
         self._draft([st for st in self.streams if not st.done and st.prefilled], self.rate.rate)
         streams = [st for st in self.streams if not st.done]
-        decoding = [st for st in streams if st.prefilled]
-        budget = self.prompt_budget() if decoding else None
+        budget = self.prompt_budget() if any(st.prefilled for st in streams) else None
         calls: list[tuple[Stream, Call]] = []
-        # prompts first (their rows are known), then each request's draft priced with the rest of the call
+        # prompt pieces first (their rows are known), then every request's draft priced with the
+        # rest of the call: the decoding requests', and the first proposals of prompts that end now
+        priced: list[Stream] = []
         for st in streams:
-            if not st.prefilled:
-                call = self._build(st, calls, ALONE, budget)
-                if budget is not None and call is not None:
-                    budget -= call.rows
-        for st, (share, offer) in zip(decoding, self._shares(decoding, calls)):
+            try:
+                finishing = st.finishes_prompt(budget)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                st.error = e
+                continue
+            if st.prefilled or finishing:
+                priced.append(st)
+                if finishing and budget is not None:
+                    budget -= st.prompt_left
+            elif (call := self._build(st, calls, ALONE, budget)) is not None and budget is not None:
+                budget -= call.rows
+        priced.sort(key=lambda st: st.prefilled)  # prefills before verifications, as the prompts' pieces
+        for st, (share, offer) in zip(priced, self._shares(priced)):
             if st.error is None:
                 self._build(st, calls, share, offer=offer)
         if calls:
@@ -450,29 +473,28 @@ class Batch:
         return call
 
     @staticmethod
-    def _shares(decoding: list[Stream], calls: list[tuple[Stream, Call]]) -> list[tuple[Share, Offer | None]]:
-        """What each decoding request prices its draft against — the rest of the batch's best
-        call (``share.batch_shares``) over every request's candidates, beside the rows the
-        prompts' calls carry that bring a token this round (a prompt's own rows are owed whatever
-        anyone drafts: charged to the round, they would make every node beside a prompt look
-        cheap, and rounds grow several times beyond what they earn) — and its ``Offer``, which
-        its selection reads instead of pricing its draft again."""
-        pricing = next((st.drafting.pricing for st in decoding if st.drafting.pricing is not None
+    def _shares(priced: list[Stream]) -> list[tuple[Share, Offer | None]]:
+        """What each request prices its draft against — the rest of the batch's best call
+        (``share.batch_shares``) over every request's candidates: decoding requests' drafts and
+        the first proposals of prompts that end this round — and its ``Offer``, which its
+        selection reads instead of pricing its draft again. Prompt pieces are not in it: a
+        prompt's KV is owed whatever anyone drafts, and charged to the round it would make every
+        node beside a prompt look cheap (rounds grow several times beyond what they earn)."""
+        pricing = next((st.drafting.pricing for st in priced if st.drafting.pricing is not None
                         and st.drafting.pricing.round_ms(1) is not None), None)
         if pricing is None:  # nothing is chosen: every request verifies what it proposed
-            return [(ALONE, None)] * len(decoding)
-        prompts = sum(call.priced_rows for _, call in calls)
-        if len(decoding) == 1:  # alone beside the prompts: its best call is its own choice
-            return [(Share(prompts, 0.0), None)]
+            return [(ALONE, None)] * len(priced)
+        if len(priced) == 1:  # alone: its best call is its own choice
+            return [(ALONE, None)]
         offers: list[Offer] = []
-        for st in decoding:
+        for st in priced:
             try:
                 offers.append(st.drafting.offer(st.s, st.drafted))
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 st.error = e
                 offers.append(Offer([], [], 0, 0.0))
-        side = any(st.drafted.extra for st in decoding)
-        return list(zip(batch_shares(offers, lambda n: pricing.round_ms(n, side), prompts), offers))
+        side = any(st.drafted.extra for st in priced)
+        return list(zip(batch_shares(offers, lambda n: pricing.round_ms(n, side)), offers))
 
 
 def decode(rt: Runtime, prompt: list[int], options: DecodeOptions, drafting: Drafting) -> Decoded:

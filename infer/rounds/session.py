@@ -121,8 +121,10 @@ class MainSession:
 
     @property
     def pending(self) -> int:
-        """Committed tokens whose KV the next call computes (its rows before any draft)."""
-        return len(self.tokens) - self.n_kv
+        """Committed tokens whose KV the next call computes (its rows before any draft); before
+        the prefill, the prompt's last token, the first tree's root (the rows before it write
+        KV the prompt owes whatever is drafted)."""
+        return len(self.tokens) - self.n_kv if self.tokens else 1
 
     def sequence(self) -> tuple[list[int], torch.Tensor]:
         """The tokens whose KV the arena holds (the prompt and the committed response but its

@@ -41,16 +41,16 @@ class Offer:
     base: float = 1.0
 
 
-def batch_shares(offers: list[Offer], round_ms: Callable[[int], float], rows: int = 0) -> list[Share]:
+def batch_shares(offers: list[Offer], round_ms: Callable[[int], float]) -> list[Share]:
     """What each request of a batched round prices its nodes against (``Share``): the rest of
     the batch's best call. That call takes every request's nodes in one order (by clamped
     value, as ``select`` orders one request's) and the size that maximises its expected
     committed tokens per millisecond, ``round_ms(n)`` being a round's host work and forward
     over ``n`` rows::
 
-        (Σ base + Σ_{kept} v) / round_ms(rows + Σ fixed + |kept|)
+        (Σ base + Σ_{kept} v) / round_ms(Σ fixed + |kept|)
 
-    ``rows``: rows of the call that bring no token this round (prompt pieces). Against it, a
+    Against it, a
     request's ``select`` keeps its own part of that optimum: a node only where it beats the
     rate the batch reaches *with* the others' best drafts (Dinkelbach's threshold). Priced
     against plain decoding of the others instead, every request keeps nodes that lower the
@@ -60,7 +60,7 @@ def batch_shares(offers: list[Offer], round_ms: Callable[[int], float], rows: in
         merged.extend((-v, d, j) for v, d in zip(clamped(offer.parents, offer.values), depths(offer.parents)))
     merged.sort()
     base = sum(o.base for o in offers)
-    fixed = rows + sum(o.fixed_rows for o in offers)
+    fixed = sum(o.fixed_rows for o in offers)
     best_k, best, gain = 0, base / round_ms(max(fixed, 1)), 0.0
     for k, (neg, _, _) in enumerate(merged, 1):
         gain -= neg
@@ -73,5 +73,5 @@ def batch_shares(offers: list[Offer], round_ms: Callable[[int], float], rows: in
         gains[j] -= neg
     rows_of = [o.fixed_rows + k for o, k in zip(offers, kept)]
     tokens_of = [o.base + g for o, g in zip(offers, gains)]
-    return [Share(rows + sum(rows_of) - rows_of[j], sum(t for i, t in enumerate(tokens_of) if i != j))
+    return [Share(sum(rows_of) - rows_of[j], sum(t for i, t in enumerate(tokens_of) if i != j))
             for j in range(len(offers))]

@@ -175,32 +175,33 @@ class Offering(loop.Drafting):
         return Offer([-1 + i for i in range(len(self.given))], self.given, s.pending)
 
 
-def test_a_prompt_in_the_call_is_not_charged_to_the_drafts_beside_it(tiny):
-    """A prompt's KV is owed whatever anyone drafts: a request pricing its draft beside another's
-    prompt piece or prefill sees only the rows that bring this round's tokens."""
+def test_a_prompt_ending_this_round_offers_its_first_proposal_beside_the_batchs_drafts(tiny):
+    """A prompt piece is in nobody's share (a prompt's KV is owed whatever anyone drafts). A
+    prompt that ends this round offers its first proposal — SchemaFill's forecast tree — as one
+    more request's draft of the batch's best call: its root row (the prompt's last token) and new
+    SIDE contexts fixed, its nodes priced like any round's, and its prefill carries only the part
+    that pays (here at 4 ms a row beside a request whose draft is sure, not the whole tree)."""
     target, tok, eos = tiny
     rt = Runtime(target, tok, eos, 16)
     sf = methods(target, tok, eos, 16)["schemafill"]
-    decoding = loop.Stream(rt, prompt_ids(request("one_tool"), "plain", tok), DecodeOptions(), Offering())
+    decoding = loop.Stream(rt, prompt_ids(request("one_tool"), "plain", tok), DecodeOptions(), Offering([0.99]))
     batch = loop.Batch(target, prefill_tokens=32)
     batch.add(decoding)
     batch.step()
-    long_prompt = prompt_ids(request("twenty"), "plain", tok)[:150]
-    late = loop.Stream(rt, long_prompt, DecodeOptions(), loop.Drafting())
-    piece = late.next_call(prefill_tokens=32)
-    assert piece.kind == "chunk" and piece.rows == 32 and piece.priced_rows == 0
-    assert loop.Batch._shares([decoding], [(late, piece)]) == [(Share(0, 0.0), None)]
+    late = loop.Stream(rt, prompt_ids(request("twenty"), "plain", tok)[:150], DecodeOptions(), loop.Drafting())
+    assert not late.finishes_prompt(32) and late.next_call(prefill_tokens=32).kind == "chunk"
 
     r = request("one_tool")
     joining = sf.stream(r, prompt_ids(r, "plain", tok), DecodeOptions())
-    prefill = joining.next_call(prefill_tokens=None)
-    tree = len(prefill.tree_tokens)
-    assert prefill.kind == "prefill" and tree > 0  # the forecast's first proposal rides with it
-    # the prompt's last token (its logits give the first token), the tree and the SIDE rows
-    assert prefill.priced_rows == 1 + tree + prefill.extra_rows < prefill.rows
-    assert loop.Batch._shares([decoding], [(joining, prefill)]) == [(Share(prefill.priced_rows, 0.0), None)]
-    unpriced = loop.Stream(rt, prompt_ids(request("bm25"), "plain", tok), DecodeOptions(), loop.Drafting())
-    assert loop.Batch._shares([unpriced], [(joining, prefill)]) == [(loop.ALONE, None)]  # it keeps what it proposed
+    assert joining.finishes_prompt(None)
+    tree, contexts = len(joining.drafted.cand), sum(len(seg.tokens) for seg in joining.drafted.extra)
+    assert tree > 1  # the forecast's first proposal, to ride with the prefill
+    (share, _), (joining_share, offer) = loop.Batch._shares([decoding, joining])
+    assert offer.fixed_rows == 1 + contexts and len(offer.values) == tree
+    assert share.rows >= 1 + contexts and joining_share.rows >= 1  # each in the other's share
+    prefill = joining.next_call(joining_share, None, offer)
+    assert prefill.kind == "prefill" and 0 < len(prefill.tree_tokens) < tree
+    assert prefill.rows == len(joining.s.prompt) + len(prefill.tree_tokens) + prefill.extra_rows
 
 
 def test_each_request_prices_its_draft_against_the_batchs_best_call(tiny):
@@ -217,7 +218,7 @@ def test_each_request_prices_its_draft_against_the_batchs_best_call(tiny):
     for st in streams:
         st.s.prefill()
         st.prefilled = True
-    shares, offers = zip(*loop.Batch._shares(streams, []))
+    shares, offers = zip(*loop.Batch._shares(streams))
     assert shares == (Share(1, 1.0), Share(3, pytest.approx(2.85)))
     assert [o.values for o in offers] == [[0.95, 0.9], [0.6]]  # what each one's selection then reads
     assert select([-1], [0.6], lambda n: STEEP(n + 1), 1, base=2.0) == [0]  # priced beside plain decoding

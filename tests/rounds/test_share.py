@@ -37,8 +37,8 @@ def test_a_child_never_outranks_its_parent():
         [Share(2, pytest.approx(1.7)), Share(2, pytest.approx(1.9))]
 
 
-def test_rows_that_bring_no_token_are_in_every_share_and_fixed_rows_in_the_others():
-    """A prompt's priced rows (``rows``) sit in every request's share; a request's pending rows
-    in the others' only; with nothing offered, the shares are plain decoding's."""
-    shares = batch_shares([Offer([], [], 2), Offer([], [], 1), Offer([], [], 1)], linear, rows=3)
-    assert shares == [Share(5, 2.0), Share(6, 2.0), Share(6, 2.0)]
+def test_a_requests_fixed_rows_are_in_the_others_shares_only():
+    """A request's pending rows (and a prefill's root row and SIDE contexts) sit in the others'
+    shares only; with nothing offered, the shares are plain decoding's."""
+    shares = batch_shares([Offer([], [], 2), Offer([], [], 1), Offer([], [], 1)], linear)
+    assert shares == [Share(2, 2.0), Share(3, 2.0), Share(3, 2.0)]

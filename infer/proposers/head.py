@@ -95,7 +95,7 @@ Steps = Generator["HeadStep", "HeadResult", T]  # drafting that yields its head 
 
 @dataclass
 class HeadResult:
-    out: torch.Tensor  # [T, H] the step's output hidden states
+    out: torch.Tensor  # [T, H] the step's output hidden states (of its part's ``outputs`` rows, when named)
     logits: torch.Tensor | None  # [len(logits_at), Vd] draft logits of the rows asked for
     ms: float  # this request's share of the forward
 
@@ -110,7 +110,7 @@ class HeadStep:
 
     head: Eagle3Head
     part: DraftPart
-    logits_at: list[int]
+    logits_at: list[int]  # rows of ``part`` (among its ``outputs`` when it names them)
     fuse: bool = False
 
     @property
@@ -132,7 +132,8 @@ class HeadStep:
         hidden = iter(head.fc(torch.cat([st.part.hidden for st in fused]).to(head.fc.weight.dtype))
                       .split([st.rows for st in fused]) if fused else [])  # [T_i, H] each
         outs = head.decode_packed([replace(st.part, hidden=next(hidden)) if st.fuse else st.part for st in steps])
-        rows = [out[st.logits_at] for st, out in zip(steps, outs) if st.logits_at]
+        rows = [out[st.logits_at if st.part.outputs is None else [st.part.outputs.index(r) for r in st.logits_at]]
+                for st, out in zip(steps, outs) if st.logits_at]
         # one LM head call for every step's rows; a lone step's rows as they are, so that
         # drafting alone runs exactly the operations it always has
         logits = iter(head.logits(torch.cat(rows)).split([len(r) for r in rows]) if len(rows) > 1
@@ -221,7 +222,7 @@ class HeadDrafter:
             vis[i, v] = True
         res = yield from clock.wait(HeadStep(self.head, DraftPart(
             self.arena, torch.tensor(tokens, device=dev), torch.stack(aux), torch.tensor(positions, device=dev), vis,
-            torch.tensor(slots, device=dev)), logits_at=want, fuse=True))
+            torch.tensor(slots, device=dev), outputs=sorted(set(want))), logits_at=want, fuse=True))
         drafts = [self.draft_to_target[d] for d in res.logits.argmax(-1).tolist()]
         self._count(1, clock.ms())
         return drafts
@@ -293,9 +294,10 @@ class HeadDrafter:
             raise ValueError(f"features for {n} positions but only {len(tokens) - 1} committed tokens")
         pos = torch.arange(h, n, device=dev)  # [M]
         forced = len(tokens) - 1 - n  # pending tokens the grammar forced: they have no target features
+        # the catch-up: every new position's head KV, the output of the newest alone (what drafts hang off)
         res = yield from clock.wait(HeadStep(self.head, DraftPart(
             self.arena, torch.tensor(tokens[h + 1:n + 1], device=dev), new_aux, pos, causal_visibility(pos[None], n)[0],
-            pos), logits_at=[] if forced else [m - 1], fuse=True))
+            pos, outputs=[m - 1]), logits_at=[] if forced else [m - 1], fuse=True))
         self.done = n
         forwards = 1  # the catch-up, then one per forced token and per level
         root_out = res.out[-1]  # [H]

@@ -88,7 +88,8 @@ class HeadConfig:
 class DraftPart:
     """One request's rows in a drafting forward (``Eagle3Head.decode_packed``): ``input_ids``,
     ``positions``, ``write_slots`` [T]; ``hidden`` [T, H]; ``visibility`` [T, S] over the
-    slots of its ``arena``."""
+    slots of its ``arena``; ``outputs``: the rows whose output hidden states are read (None:
+    all), the others only write their keys and values."""
 
     arena: KVArena
     input_ids: torch.Tensor
@@ -96,6 +97,7 @@ class DraftPart:
     positions: torch.Tensor
     visibility: torch.Tensor
     write_slots: torch.Tensor
+    outputs: list[int] | None = None
 
 
 class Eagle3Layer(nn.Module):
@@ -113,15 +115,18 @@ class Eagle3Layer(nn.Module):
         self.self_attn.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, h, bias=False)
         self.mlp = MLP(h, c.intermediate_size)
 
-    def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated q and k, and v, for new tokens. emb, hidden: [B, T, H]."""
+    def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            rows: torch.Tensor | None = None):
+        """Rotated q and k, and v, for new tokens. emb, hidden: [B, T, H]; ``rows`` [R]: the
+        rows that query (None: all), every row's keys and values."""
         b, t, _ = emb.shape
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         a = self.self_attn
-        q = a.q_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)  # [B, Hq, T, hd]
         k = a.k_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
         v = a.v_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qx, qcos, qsin = (x, cos, sin) if rows is None else (x[:, rows], cos[:, rows], sin[:, rows])
+        q = a.q_proj(qx).view(b, qx.shape[1], -1, self.c.head_dim).transpose(1, 2)  # [B, Hq, R, hd]
+        return apply_rotary(q, qcos, qsin), apply_rotary(k, cos, sin), v
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual on the hidden input, MLP. attn: [B, Hq, T, hd]."""
@@ -172,8 +177,10 @@ class Eagle3Head(nn.Module):
 
     @torch.inference_mode()
     def decode_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                    visibility: torch.Tensor, write_slots: torch.Tensor, arena: KVArena) -> torch.Tensor:
-        """One drafting forward over a KV arena; returns the output hidden states [B, T, H].
+                    visibility: torch.Tensor, write_slots: torch.Tensor, arena: KVArena,
+                    outputs: list[int] | None = None) -> torch.Tensor:
+        """One drafting forward over a KV arena; returns the output hidden states [B, T, H]
+        ([B, R, H]: of the rows ``outputs`` only, when given).
 
         input_ids, positions, write_slots: [B, T]; hidden: [B, T, H] — ``fc(aux)`` for a
         committed position (training step 0), the parent's output for a draft node (step
@@ -182,48 +189,59 @@ class Eagle3Head(nn.Module):
         if self.steps is not None:
             out = self.steps.decode_step(input_ids, hidden, positions, visibility, write_slots, arena)
             if out is not None:
-                return out
+                return out if outputs is None else out[:, outputs]
+        rows = None if outputs is None else torch.tensor(outputs, device=input_ids.device)
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             arena.write(0, None, write_slots, k, v)
             keys, values = arena.read(0, None, visibility.shape[-1])
-            return attend(q, keys, values, visibility)
+            return attend(q, keys, values, visibility if rows is None else visibility[:, rows])
 
-        return self.attend_step(input_ids, hidden, positions, attention)
+        return self.attend_step(input_ids, hidden, positions, attention, rows)
 
     @torch.inference_mode()
     def decode_packed(self, parts: list["DraftPart"]) -> list[torch.Tensor]:
         """Several requests' drafting forwards as one: their rows go through ``fc``, the layer's
         projections and MLP together, each attends over its own arena. Returns each part's
-        output hidden states [T_i, H]. One part, or draft steps replayed by the target's
-        backend (``steps``), runs as ``decode_step`` does."""
+        output hidden states [T_i, H] (of its ``outputs`` rows, when given). One part, or draft
+        steps replayed by the target's backend (``steps``), runs as ``decode_step`` does."""
         if len(parts) == 1 or self.steps is not None:
             return [self.decode_step(p.input_ids[None], p.hidden[None], p.positions[None], p.visibility[None],
-                                     p.write_slots[None], p.arena)[0] for p in parts]
-        bounds = [0]
+                                     p.write_slots[None], p.arena, p.outputs)[0] for p in parts]
+        bounds, asked = [0], [0]  # each part's rows, and its rows among those that query
         for p in parts:
             bounds.append(bounds[-1] + len(p.input_ids))
+            asked.append(asked[-1] + (len(p.input_ids) if p.outputs is None else len(p.outputs)))
+        rows = None
+        if any(p.outputs is not None for p in parts):
+            rows = torch.tensor([lo + r for p, lo in zip(parts, bounds) for r in
+                                 (range(len(p.input_ids)) if p.outputs is None else p.outputs)])
 
-        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, H*, ΣT, hd]
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, H*, ΣR, hd]
             outs = []
-            for p, lo, hi in zip(parts, bounds, bounds[1:]):
+            for p, lo, hi, a, b in zip(parts, bounds, bounds[1:], asked, asked[1:]):
                 p.arena.write(0, None, p.write_slots[None], k[:, :, lo:hi], v[:, :, lo:hi])
                 keys, values = p.arena.read(0, None, p.visibility.shape[-1])
-                outs.append(attend(q[:, :, lo:hi], keys, values, p.visibility[None]))
+                visible = p.visibility if p.outputs is None else p.visibility[p.outputs]
+                outs.append(attend(q[:, :, a:b], keys, values, visible[None]))
             return torch.cat(outs, dim=2)
 
         out = self.attend_step(torch.cat([p.input_ids for p in parts])[None], torch.cat([p.hidden for p in parts])[None],
-                               torch.cat([p.positions for p in parts])[None], attention)[0]  # [ΣT, H]
-        return [out[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+                               torch.cat([p.positions for p in parts])[None], attention, rows)[0]  # [ΣR, H]
+        return [out[a:b] for a, b in zip(asked, asked[1:])]
 
     def attend_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``decode_step`` with its KV handled by ``attention(q, k, v)`` (rotated q [B, Hq, T, hd],
-        k, v [B, Hkv, T, hd]), which writes the new keys and values where it keeps them and attends."""
+                    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``decode_step`` with its KV handled by ``attention(q, k, v)`` (rotated q [B, Hq, R, hd],
+        k, v [B, Hkv, T, hd]), which writes the new keys and values where it keeps them and attends.
+        ``rows`` [R]: the rows whose outputs are computed (None: all). The others write keys and
+        values only: a committed position's output is read by nobody (the next position's input
+        is the target's features), so a catch-up over a prompt costs its rows' K and V alone."""
         dtype = hidden.dtype
         cos, sin = self.rotary(positions, dtype)
-        q, k, v = self.midlayer.qkv(self.embed_tokens(input_ids).to(dtype), hidden, cos, sin)
-        return self.midlayer.finish(hidden, attention(q, k, v))
+        q, k, v = self.midlayer.qkv(self.embed_tokens(input_ids).to(dtype), hidden, cos, sin, rows)
+        return self.midlayer.finish(hidden if rows is None else hidden[:, rows], attention(q, k, v))
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
                 horizons: int, start: int = 0) -> list[torch.Tensor]:

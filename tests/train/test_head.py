@@ -187,6 +187,37 @@ def test_a_packed_drafting_forward_gives_each_request_what_it_gets_alone():
                 assert torch.allclose(mine, same, atol=1e-5)
 
 
+def test_rows_whose_outputs_nobody_reads_write_kv_only_and_the_rest_are_unchanged():
+    """A catch-up reads the output of its newest row alone: with ``outputs`` named, the other
+    rows write the same keys and values and skip the query, attention and MLP — the named
+    rows' outputs equal the whole forward's, packed with a request that names none and alone."""
+    head = tiny_head(seed=7)
+    g = torch.Generator().manual_seed(3)
+
+    def part(t: int, outputs):
+        arena = head.new_arena(16)
+        visible = torch.ones(t, t, dtype=torch.bool).tril()
+        slots = torch.arange(t)
+        return DraftPart(arena, torch.randint(0, 50, (t,), generator=g), torch.randn(t, 16, generator=g),
+                         slots, visible, slots, outputs)
+
+    def copy(p, outputs):
+        return DraftPart(head.new_arena(16), p.input_ids, p.hidden, p.positions, p.visibility, p.write_slots, outputs)
+
+    catch_up, level = part(6, [5]), part(2, None)
+    whole = [copy(catch_up, None), copy(level, None)]
+    with torch.no_grad():
+        some, every = head.decode_packed([catch_up, level]), head.decode_packed(whole)
+        lone = head.decode_step(catch_up.input_ids[None], catch_up.hidden[None], catch_up.positions[None],
+                                catch_up.visibility[None], catch_up.write_slots[None], head.new_arena(16), [1, 5])[0]
+    assert some[0].shape == (1, 16) and torch.allclose(some[0], every[0][[5]], atol=1e-5)
+    assert torch.allclose(some[1], every[1], atol=1e-5)
+    assert lone.shape == (2, 16) and torch.allclose(lone, every[0][[1, 5]], atol=1e-5)
+    for p, q in zip([catch_up, level], whole):
+        for mine, same in zip(p.arena.k + p.arena.v, q.arena.k + q.arena.v):
+            assert torch.allclose(mine, same, atol=1e-5)
+
+
 def vllm_reads(config: dict) -> list[int]:
     """HF hidden_states indices vLLM feeds the head: the top-level key first, else eagle_config's
     (v1/worker/gpu_model_runner.py), each the input of layer i; sorted (models/interfaces.py)."""

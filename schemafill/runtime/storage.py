@@ -10,6 +10,7 @@ which backend reads it.
 
 from __future__ import annotations
 
+import mmap
 import threading
 import weakref
 
@@ -24,18 +25,33 @@ def width_bucket(n: int, capacity: int | None = None) -> int:
     return width if capacity is None else min(width, capacity)
 
 
+def zeroed(count: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """``count`` zeros [count], and on a CPU the anonymous mapping that holds them: its pages
+    take memory only once written. A request's arena reserves room for its longest answer,
+    its tree and every SIDE branch, and writes a third of it in a usual answer; zeroed up
+    front, every page of it faults in at once (tens of milliseconds a request under load, far
+    more on a host whose own memory is lent lazily, as a VM's is)."""
+    if device.type != "cpu":
+        return torch.zeros(count, dtype=dtype, device=device), None
+    memory = mmap.mmap(-1, max(count, 1) * dtype.itemsize, flags=mmap.MAP_PRIVATE)  # MADV_DONTNEED zeroes it
+    return torch.frombuffer(memory, dtype=dtype, count=count), memory
+
+
 class KVArena:
     """Preallocated keys and values: per layer ``[rows, kv_heads, capacity, head_dim]``.
 
     A row is one independent sequence (a request); slots are positions in the arena, not
-    token positions. ``pool_row`` is the row of the ``ArenaPool`` it is a view of, if any.
+    token positions. ``pool_row`` is the row of the ``ArenaPool`` it is a view of, if any;
+    ``memory`` the mapping its tensors are views of, if it has one (``zeroed``).
     """
 
     def __init__(self, layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         shape = (rows, kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        n = rows * kv_heads * capacity * head_dim
+        flat, self.memory = zeroed(2 * layers * n, dtype, device)  # per layer its keys, then its values
+        self.k = [flat[2 * i * n:(2 * i + 1) * n].view(shape) for i in range(layers)]
+        self.v = [flat[(2 * i + 1) * n:(2 * i + 2) * n].view(shape) for i in range(layers)]
         self.rows, self.capacity = rows, capacity
         self.pool_row: int | None = None
         self.returns: weakref.finalize | None = None  # back to the ``ArenaStock`` that handed it out
@@ -48,6 +64,7 @@ class KVArena:
         arena.k, arena.v = k, v
         arena.rows, arena.capacity = k[0].shape[0], k[0].shape[2]
         arena.pool_row = pool_row
+        arena.memory = None
         arena.returns = None
         arena._addresses = None
         return arena
@@ -114,8 +131,9 @@ class KVArena:
 
 class ArenaStock:
     """One-row arenas of requests that have ended, kept for the next ones. A fresh arena of
-    tens of megabytes costs the host page faults (tens of milliseconds under load, serial with
-    a batch's rounds); a kept one, zeroed again, a memset. ``take`` hands out a kept arena of at
+    tens of megabytes costs the host page faults as it is written (serial with a batch's
+    rounds); a kept one is zeroed again — its mapping's pages dropped (``zeroed``), else a
+    memset — and faults in only the pages its next request writes. ``take`` hands out a kept arena of at
     least the capacity asked and at most twice it, or a new one with room to the next multiple
     of ``grain`` slots (so that it fits the next prompts too); either comes back when its
     owner ``give``s it back (a request that ended) or when it is collected, and at most ``keep``
@@ -123,7 +141,7 @@ class ArenaStock:
 
     def __init__(self, keep: int = 32, grain: int = 512) -> None:
         self.keep, self.grain = keep, grain
-        self.free: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self.free: list[tuple[list[torch.Tensor], list[torch.Tensor], mmap.mmap | None]] = []
         self._lock = threading.Lock()
 
     def take(self, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
@@ -136,16 +154,21 @@ class ArenaStock:
                 and capacity <= width <= 2 * capacity and (inference or not k[0].is_inference())
 
         with self._lock:
-            i = next((i for i, (k, _) in enumerate(self.free) if fits(k)), None)
+            i = next((i for i, (k, _, _) in enumerate(self.free) if fits(k)), None)
             kept = None if i is None else self.free.pop(i)
         if kept is None:  # room to the next multiple of ``grain``: later requests' prompts differ in length
             width = -(-capacity // self.grain) * self.grain
             arena = KVArena(layers, 1, kv_heads, width, head_dim, dtype, device)
-        else:
-            for t in kept[0] + kept[1]:
-                t.zero_()  # what a fresh arena holds: a slot no request wrote reads as zeros
-            arena = KVArena.over(*kept)
-        arena.returns = weakref.finalize(arena, self._put, arena.k, arena.v)
+        else:  # zeroed: what a fresh arena holds, a slot no request wrote reads as zeros
+            k, v, memory = kept
+            if memory is not None:
+                memory.madvise(mmap.MADV_DONTNEED)  # a private anonymous mapping's pages read as zeros again
+            else:
+                for t in k + v:
+                    t.zero_()
+            arena = KVArena.over(k, v)
+            arena.memory = memory
+        arena.returns = weakref.finalize(arena, self._put, arena.k, arena.v, arena.memory)
         return arena
 
     def give(self, arena: KVArena) -> None:
@@ -154,14 +177,14 @@ class ArenaStock:
         it is left empty, so a late read fails instead of reading another request's KV. An
         arena this stock did not hand out is left alone."""
         if arena.returns is not None and arena.returns.detach() is not None:
-            k, v = arena.k, arena.v
-            arena.k, arena.v = [], []
-            self._put(k, v)
+            k, v, memory = arena.k, arena.v, arena.memory
+            arena.k, arena.v, arena.memory = [], [], None
+            self._put(k, v, memory)
 
-    def _put(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+    def _put(self, k: list[torch.Tensor], v: list[torch.Tensor], memory: mmap.mmap | None) -> None:
         with self._lock:
             if len(self.free) < self.keep:
-                self.free.append((k, v))
+                self.free.append((k, v, memory))
 
 
 class ArenaPool:

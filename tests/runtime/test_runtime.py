@@ -13,6 +13,7 @@ from schemafill.runtime.backends.eager import reach
 from schemafill.runtime.layers import apply_rotary, apply_rotary_rolled, attend, query_blocks, signed_sin
 from schemafill.runtime.loading import from_hf_model, load_target
 from schemafill.runtime.products import KERNELS, PROBE_ROWS, Products, pack, packs, plan_of, room_to_pack
+from schemafill.runtime.storage import KVArena
 
 VOCAB = 512
 
@@ -197,8 +198,7 @@ def test_ragged_spans_equal_one_padded_call():
     pos = torch.tensor([[12], [9]])
     visible = torch.arange(13)[None, None, :] <= pos[..., None]  # [2, 1, 13]
     rows = torch.tensor([0, 2])
-    import copy
-    other = copy.deepcopy(arena)
+    other = KVArena.over([t.clone() for t in arena.k], [t.clone() for t in arena.v])
     padded = target(step, pos, visible, pos, arena, rows=rows)
     ragged = target(step, pos, visible, pos, other, rows=rows, spans=[(0, 13), (2, 10)])
     assert torch.allclose(padded.logits, ragged.logits, atol=1e-5)

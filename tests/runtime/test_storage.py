@@ -1,8 +1,9 @@
-"""Arenas kept for the next request (``ArenaStock``): handed back zeroed, never to two owners."""
+"""Arenas: on a CPU, memory only where written; kept for the next request (``ArenaStock``), handed back zeroed, never to two owners."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -80,3 +81,18 @@ def test_a_targets_request_arenas_come_from_its_stock(backend):
     target.arenas.give(arena)
     assert target.new_arena(1, 300).k[0].data_ptr() == storage
     assert target.new_arena(2, 64).rows == 2  # a batch's arena of many rows is its own
+
+
+def test_a_fresh_arena_on_a_cpu_takes_memory_only_where_it_is_written():
+    """An arena reserves room for a request's longest answer and every SIDE branch; only the
+    slots written take memory (its pages are an anonymous mapping's, zero until written)."""
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    arena = KVArena(4, 1, 4, 1 << 16, 64, torch.float32, CPU)  # 4 layers, keys and values: 512 MB reserved
+    assert arena.memory is not None and resident() - before < 64 << 20
+    arena.k[2][0, :, :1024] = 1.0  # one layer's keys over 1,024 slots of each head: 1 MB
+    assert resident() - before < 64 << 20
+    assert arena.k[2][0, 1, 1023, 0] == 1.0 and arena.k[2][0, 1, 1024, 0] == 0.0

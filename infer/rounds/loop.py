@@ -261,11 +261,16 @@ class Stream:
         s, d = self.s, self.drafting
         if not self.prefilled and prefill_tokens is not None and self.prompt_left > prefill_tokens:
             return s.chunk_call(prefill_tokens) if prefill_tokens > 0 else None
-        started = time.perf_counter()
-        with self.phases("drafting" if self.prefilled else "other"):
-            self.proposal = p = d.select(s, self.drafted, share, offer)
         if not self.prefilled:
+            # alone, the prefill verifies the whole first proposal: priced alone, ToolSpec's names
+            # and SchemaFill's forecast were cut to what the first requests' few prefills had
+            # taught (one tree a request), and batch 1 slowed; in a batch its rows are priced
+            with self.phases("other"):
+                self.proposal = p = self.drafted if share is ALONE else d.select(s, self.drafted, share, offer)
             return s.prefill_call(p.cand.tokens, p.cand.parents, p.extra)
+        started = time.perf_counter()
+        with self.phases("drafting"):
+            self.proposal = p = d.select(s, self.drafted, share, offer)
         if self.draft_ms is not None:
             self.draft_ms += 1e3 * (time.perf_counter() - started)
         return s.verify_call(p.cand.tokens, p.cand.parents, p.extra)

@@ -65,7 +65,7 @@ def test_the_loop_runs_each_step_in_order_and_keeps_ar_tokens(tiny_target):
     assert out.ids == ar.ids and out.target_calls < ar.target_calls  # the oracle's drafts are taken
     assert out.init_nodes == 2 and out.head_forwards == 7  # the prefill's tree; finish's fields
     rounds = out.target_calls - 1
-    assert right.steps == ["start", "first", "select", "settle"] + ["draft", "select", "observe", "settle"] * rounds + ["finish"]
+    assert right.steps == ["start", "first", "settle"] + ["draft", "select", "observe", "settle"] * rounds + ["finish"]
     assert set(out.times) >= {"initialisation", "drafting", "verification", "other"}
 
     wrong = Recording(prompt, ar.ids, wrong=1)  # every draft off by one: nothing accepted

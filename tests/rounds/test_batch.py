@@ -141,8 +141,9 @@ def test_batched_rounds_verify_every_request_in_one_forward_and_prefill_in_piece
             batch.step()
         pieces = [rows[0] for rows in forwards[1:]]  # the late prompt first in each forward
         # pieces of at least prefill_tokens (more where the rest of a round takes longer:
-        # ``prompt_budget``), the last prompt token with the prefill's call
-        assert len(pieces) > 2 and sum(pieces) == 150 and min(pieces[:-1]) >= 32
+        # ``prompt_budget``, from timing: how many pieces is the host's), the last prompt token
+        # with the prefill's call
+        assert len(pieces) >= 2 and sum(pieces) == 150 and min(pieces[:-1]) >= 32
         assert all(rows[1:] == [1, 1] for rows in forwards[1:])  # the others went on decoding, one row each
         while batch.streams:
             batch.step()

@@ -50,9 +50,8 @@ def batch_shares(offers: list[Offer], round_ms: Callable[[int], float]) -> list[
 
         (Σ base + Σ_{kept} v) / round_ms(Σ fixed + |kept|)
 
-    Against it, a
-    request's ``select`` keeps its own part of that optimum: a node only where it beats the
-    rate the batch reaches *with* the others' best drafts (Dinkelbach's threshold). Priced
+    Against it, a request's ``select`` keeps its own part of that optimum: a node only where it
+    beats the rate the batch reaches *with* the others' best drafts (Dinkelbach's threshold). Priced
     against plain decoding of the others instead, every request keeps nodes that lower the
     batch's rate once all of them keep theirs."""
     merged: list[tuple[float, int, int]] = []  # (-value, depth, offer) over every request's nodes

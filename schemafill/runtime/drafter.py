@@ -215,7 +215,8 @@ class Eagle3Head(nn.Module):
         rows = None
         if any(p.outputs is not None for p in parts):
             rows = torch.tensor([lo + r for p, lo in zip(parts, bounds) for r in
-                                 (range(len(p.input_ids)) if p.outputs is None else p.outputs)])
+                                 (range(len(p.input_ids)) if p.outputs is None else p.outputs)],
+                                device=parts[0].input_ids.device)
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, H*, ΣR, hd]
             outs = []

@@ -243,11 +243,15 @@ class Stream:
         """This round's draft (``drafted``), its drafter's forwards yielded as steps."""
         self.drafted = yield from self.drafting.drafting(self.s)
 
+    def in_pieces(self, prefill_tokens: int | None) -> bool:
+        """Is more of the prompt left than this round's ``prefill_tokens`` (None: any length)?
+        Then this round carries a piece of it at most."""
+        return not self.prefilled and prefill_tokens is not None and self.prompt_left > prefill_tokens
+
     def finishes_prompt(self, prefill_tokens: int | None) -> bool:
-        """Does the rest of the prompt fit this round's ``prefill_tokens`` (None: any length)?
-        Then the method's first proposal is drafted now (``drafted``), to be priced with the
-        round's other drafts."""
-        if self.prefilled or prefill_tokens is not None and self.prompt_left > prefill_tokens:
+        """Does the rest of the prompt go in this round? Then the method's first proposal is
+        drafted now (``drafted``), to be priced with the round's other drafts."""
+        if self.prefilled or self.in_pieces(prefill_tokens):
             return False
         with self.phases("other"):
             self.drafted = self.drafting.first(self.s)
@@ -259,7 +263,7 @@ class Stream:
         when none may go this round), or the selected part of the round's draft (``drafted``;
         ``offer``: as the batch priced it) — with the rest of the prompt at the prefill."""
         s, d = self.s, self.drafting
-        if not self.prefilled and prefill_tokens is not None and self.prompt_left > prefill_tokens:
+        if self.in_pieces(prefill_tokens):
             return s.chunk_call(prefill_tokens) if prefill_tokens > 0 else None
         if not self.prefilled:
             # alone, the prefill verifies the whole first proposal: priced alone, ToolSpec's names

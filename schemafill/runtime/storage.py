@@ -58,13 +58,15 @@ class KVArena:
         self._addresses: torch.Tensor | None = None
 
     @classmethod
-    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor], pool_row: int | None = None) -> "KVArena":
-        """An arena over per-layer tensors someone else owns (a pool's rows)."""
+    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor], pool_row: int | None = None,
+             memory: mmap.mmap | None = None) -> "KVArena":
+        """An arena over per-layer tensors someone else owns (a pool's rows), or that are views
+        of ``memory`` (a kept arena's)."""
         arena = cls.__new__(cls)
         arena.k, arena.v = k, v
         arena.rows, arena.capacity = k[0].shape[0], k[0].shape[2]
         arena.pool_row = pool_row
-        arena.memory = None
+        arena.memory = memory
         arena.returns = None
         arena._addresses = None
         return arena
@@ -133,9 +135,9 @@ class ArenaStock:
     """One-row arenas of requests that have ended, kept for the next ones. A fresh arena of
     tens of megabytes costs the host page faults as it is written (serial with a batch's
     rounds); a kept one is zeroed again — its mapping's pages dropped (``zeroed``), else a
-    memset — and faults in only the pages its next request writes. ``take`` hands out a kept arena of at
-    least the capacity asked and at most twice it, or a new one with room to the next multiple
-    of ``grain`` slots (so that it fits the next prompts too); either comes back when its
+    memset — and faults in only the pages its next request writes. ``take`` hands out a kept
+    arena of at least the capacity asked and at most twice it, or a new one with room to the
+    next multiple of ``grain`` slots (so that it fits the next prompts too); either comes back when its
     owner ``give``s it back (a request that ended) or when it is collected, and at most ``keep``
     wait here. Thread-safe: a server's arenas may be collected on any thread."""
 
@@ -166,8 +168,7 @@ class ArenaStock:
             else:
                 for t in k + v:
                     t.zero_()
-            arena = KVArena.over(k, v)
-            arena.memory = memory
+            arena = KVArena.over(k, v, memory=memory)
         arena.returns = weakref.finalize(arena, self._put, arena.k, arena.v, arena.memory)
         return arena
 

@@ -1,4 +1,5 @@
-"""Arenas: on a CPU, memory only where written; kept for the next request (``ArenaStock``), handed back zeroed, never to two owners."""
+"""Arenas: on a CPU, memory only where written; kept for the next request (``ArenaStock``),
+handed back zeroed, never to two owners."""
 
 from __future__ import annotations
 

@@ -397,12 +397,28 @@ def _value_end(text: str, i: int) -> int | None:
     return j if j < len(text) else None
 
 
+CONTINUATION_TAIL = 16  # committed tokens re-tokenised with a suffix: merges reach back a word, not a response
+
+
 def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str,
                      fmt: ResponseFormat = JSON) -> list[int]:
     """Tokens for ``suffix`` after ``committed`` (whose text the packer saw as ``text``) as the
     whole response would be tokenised (BPE merges across the boundary), falling back to
-    the suffix alone; nothing while the parsed text lags (a split multi-byte character)."""
-    if not suffix or fmt.decode(tokenizer, committed) != text:
+    the suffix alone; nothing while the parsed text lags (a split multi-byte character).
+
+    Only the response's last ``CONTINUATION_TAIL`` tokens are tokenised again with the suffix,
+    where they come back as they were (merges do not reach further back): a round's packing
+    costs its suffix, not the whole response; otherwise the whole text is."""
+    if not suffix:
+        return []
+    if len(committed) > CONTINUATION_TAIL:
+        tail_ids = committed[-CONTINUATION_TAIL:]
+        tail = fmt.decode(tokenizer, tail_ids)
+        if tail and not tail.endswith("\ufffd") and text.endswith(tail):
+            ids = tokenizer(tail + suffix, add_special_tokens=False).input_ids
+            if ids[:CONTINUATION_TAIL] == tail_ids and len(ids) > CONTINUATION_TAIL:
+                return ids[CONTINUATION_TAIL:]
+    if fmt.decode(tokenizer, committed) != text:
         return []
     full = tokenizer(text + suffix, add_special_tokens=False).input_ids
     if full[: len(committed)] == committed and len(full) > len(committed):

@@ -191,3 +191,30 @@ def test_a_marker_held_as_a_special_token_stays_in_the_response_text(marker_toke
         seen = MISTRAL.decode(tok, ids[:cut])
         assert seen.startswith("[TOOL_CALLS]")
         assert continuation_ids(tok, ids[:cut], seen, text[len(seen):], MISTRAL) == ids[cut:]
+
+
+@pytest.mark.parametrize("fmt", [JSON, HERMES])
+def test_a_suffix_is_tokenised_as_the_whole_response_tokenises_it(smol_tokenizer, fmt):
+    from schemafill.contract.response_format import CONTINUATION_TAIL, continuation_ids
+
+    tok = smol_tokenizer
+    calls = CALLS + [{"name": "note", "arguments": {"text": "café €5 — naïve 東京, 1e-3 and  two  spaces", "n": -12.5}}]
+    response = fmt.serialize(calls)
+    ids = tok(response, add_special_tokens=False).input_ids
+    assert len(ids) > 3 * CONTINUATION_TAIL
+    checked = 0
+    for cut in range(1, len(ids)):
+        text = fmt.decode(tok, ids[:cut])
+        if text.endswith("\ufffd"):  # a split character: the parsed text lags, nothing is packed
+            assert continuation_ids(tok, ids[:cut], text[:-1], response[len(text) - 1:], fmt) == []
+            continue
+        # the canonical tokens of the response after the cut, from the tail's tokens or the whole text's
+        assert continuation_ids(tok, ids[:cut], text, response[len(text):], fmt) == ids[cut:], cut
+        checked += 1
+    assert checked > len(ids) // 2
+    # a response whose last words the target wrote in its own tokens (" Se|attle"): no merge
+    # across them is assumed, the suffix goes alone
+    words = tok(" Se", add_special_tokens=False).input_ids + tok("attle", add_special_tokens=False).input_ids
+    own = ids[:2 * CONTINUATION_TAIL] + words
+    text = fmt.decode(tok, own)
+    assert continuation_ids(tok, own, text, '", "n": 1}', fmt) == tok('", "n": 1}', add_special_tokens=False).input_ids

@@ -5,16 +5,18 @@ request object, no tree and no SIDE branch.
 From the prompt's tokens (cached per prompt): the tool catalog rendered there (JSON schemas,
 ours one per line or a chat template's ``{"type": "function", ...}`` objects), the response
 format the prompt asks for, and SchemaFill's forecast — BM25 over the catalog against the
-conversation after it, cycled into call plans. From the response so far, each step (nothing is
-carried between steps, so requests joining, leaving or moving in the engine's batch cannot
-put a stale state on another): the packer's chain after the committed text — wrappers, tool
-names, argument keys, separators and closings, realized calls rebinding their plans — up to
-the first value; inside a value, the rest of the conversation's word it started (matched as
-text), closed there and followed by the structure after it; when neither applies, or the
-response has gone off its format (a small target looping inside a string), a copy of what
-followed the same tokens in the prompt or earlier in the response, whichever agrees longer. One
-chain of at most ``k`` tokens: the engine verifies chains, and its rejection sampler decides
-every token.
+conversation after it, cycled into call plans. From the response so far, each step: the parse
+of its text (``Reading``, a function of the tokens alone: advanced by a step's new tokens when
+they extend the tokens it read, read afresh when they do not, so requests joining, leaving or
+moving in the engine's batch cannot put a stale state on another, and a step costs its new
+tokens rather than the whole response), then the packer's chain after the committed text —
+wrappers, tool names, argument keys, separators and closings, realized calls rebinding their
+plans — up to the first value; inside a value, the rest of the conversation's word it started
+(matched as text), closed there and followed by the structure after it; when neither applies,
+or the response has gone off its format (a small target looping inside a string), a copy of
+what followed the same tokens in the prompt or earlier in the response, whichever agrees
+longer. One chain of at most ``k`` tokens: the engine verifies chains, and its rejection
+sampler decides every token.
 
 Where the response starts: after the last generation marker in the tokens — the chat
 template's generation prompt, or the plain prompt's ``Response:`` line. No marker, no catalog
@@ -43,6 +45,25 @@ STRUCTURE, VALUE = "structure", "value"  # what a chain is, or a copy's source (
 PLAIN_MARKER = "\n\nResponse:\n"  # how a plain prompt hands over (``schemafill.contract.prompt.render_plain``)
 SCHEMA_START = re.compile(r'\{\s*"(?:name|type)"\s*:')
 WORD_REST = re.compile(r'[^\s"\\,.;:!?()\[\]{}]*')  # where a copied word goes on
+
+
+@dataclass
+class Reading:
+    """What a request's tokens say so far: where its response starts (one past the last
+    generation marker; None: no marker), the prompt before it, and the response's text with
+    the parser fed that text (None where no parse is wanted: no catalog, not a tool call).
+    ``ChainDrafter.read`` advances it with the tokens of a later step."""
+
+    tokens: list[int]
+    start: int | None
+    prompt: "Prompt | None" = None
+    key: tuple[int, ...] | None = None  # the prompt's tokens, which name the request
+    text: str = ""
+    parser: ToolCallParser | None = None
+
+    @property
+    def response(self) -> list[int]:
+        return [] if self.start is None else self.tokens[self.start:]
 
 
 @dataclass
@@ -100,38 +121,64 @@ class ChainDrafter:
     def draft(self, tokens: list[int], k: int) -> list[int]:
         return self.draft_tagged(tokens, k)[0]
 
-    def draft_tagged(self, tokens: list[int], k: int, start: int | None = None) -> tuple[list[int], str]:
+    def draft_tagged(self, tokens: list[int], k: int, reading: Reading | None = None) -> tuple[list[int], str]:
         """``draft``, and what the chain is: ``structure`` (the packer's, up to the first
         value), ``value`` (a copied value, closed, and the structure after it), ``copy`` (a
-        token copy); acceptance is learnt per kind (``proposer.py``). ``start``: where the
-        response starts, when the caller has found it (``response_start``)."""
-        start = self.response_start(tokens) if start is None else start
-        if start is None or k < 1:
+        token copy); acceptance is learnt per kind (``proposer.py``). ``reading``: the
+        tokens' ``read``, when the caller holds it."""
+        reading = self.read(tokens) if reading is None else reading
+        if reading.parser is None or k < 1:
             return [], ""
-        prompt = self.prompt(tokens[:start])
-        if prompt is None:
-            return [], ""
-        response = tokens[start:]
-        fmt = prompt.fmt
-        text = fmt.decode(self.tokenizer, response)
-        if not (text.startswith(fmt.marker) or fmt.marker.startswith(text)):
-            return [], ""  # not a tool-call response
-        parser = ToolCallParser(fmt)
-        state = parser.feed(text)
+        prompt, text, parser = reading.prompt, reading.text, reading.parser
+        state = parser.state
         if state.closed:
             return [], ""
         chain, kind = [], ""
         if state.error is None and state.in_value:
             copied = self.value_copy(prompt, text, state)
             if copied:
-                chain, kind = self.structure(prompt, text, state, parser.layout, response, copied), VALUE
+                chain, kind = self.structure(prompt, text, state, parser.layout, reading.response, copied), VALUE
         elif state.error is None:
-            chain, kind = self.structure(prompt, text, state, parser.layout, response), STRUCTURE
+            chain, kind = self.structure(prompt, text, state, parser.layout, reading.response), STRUCTURE
         if not chain and self.copy_len:
             # a value the conversation does not hold, or a response gone off its format (a small
             # target looping inside a string): what followed the same tokens before
-            chain, kind = self.copy(tokens, start, min(k, self.copy_len), state.in_value)
+            chain, kind = self.copy(tokens, reading.start, min(k, self.copy_len), state.in_value)
         return chain[:k], kind if chain else ""
+
+    def read(self, tokens: list[int], held: Reading | None = None) -> Reading:
+        """The ``Reading`` of ``tokens``; from ``held`` (an earlier step's) where ``tokens``
+        extend the tokens it read, so that only the new ones are scanned, decoded into the
+        parse and fed to it. Equal to a fresh read either way."""
+        if held is None or len(tokens) < len(held.tokens) or tokens[:len(held.tokens)] != held.tokens:
+            return self._parse(Reading(tokens, self.response_start(tokens)))
+        start = self.response_start(tokens, after=len(held.tokens), best=held.start)
+        if start != held.start:  # a new generation marker: a new response
+            return self._parse(Reading(tokens, start))
+        return self._parse(Reading(tokens, start, held.prompt, held.key, held.text, held.parser), known=True)
+
+    def _parse(self, reading: Reading, known: bool = False) -> Reading:
+        """Fill in ``reading``'s prompt (unless ``known``), text and parser: the parser goes on
+        from the text it has seen where the new text extends it (detokenisation may revise a
+        split character's bytes: then it parses afresh)."""
+        if reading.start is None:
+            return reading
+        if not known:
+            reading.key = tuple(reading.tokens[:reading.start])
+            reading.prompt = self.prompt(reading.key)
+        if reading.prompt is None:
+            reading.parser = None
+            return reading
+        fmt = reading.prompt.fmt
+        text = fmt.decode(self.tokenizer, reading.response)
+        if not (text.startswith(fmt.marker) or fmt.marker.startswith(text)):
+            reading.text, reading.parser = text, None  # not a tool-call response
+            return reading
+        if reading.parser is None or not text.startswith(reading.text):
+            reading.parser, reading.text = ToolCallParser(fmt), ""
+        reading.parser.feed(text[len(reading.text):])
+        reading.text = text
+        return reading
 
     @staticmethod
     def copy(tokens: list[int], start: int, n: int, in_value: bool) -> tuple[list[int], str]:
@@ -177,24 +224,25 @@ class ChainDrafter:
         rest = WORD_REST.match(prompt.query, at + len(written)).group()
         return literal + rest if rest else None
 
-    def response_start(self, tokens: list[int]) -> int | None:
-        """One past the last generation marker in ``tokens`` (None: no marker)."""
-        best = None
+    def response_start(self, tokens: list[int], after: int = 0, best: int | None = None) -> int | None:
+        """One past the last generation marker in ``tokens`` (None: no marker); ``after``,
+        ``best``: the first ``after`` tokens were scanned already and gave ``best``, so only
+        markers that end past them are looked for."""
         for marker in self.markers:
             n = len(marker)
-            for i in range(len(tokens) - n, -1, -1):
+            for i in range(len(tokens) - n, max(after - n, -1), -1):
                 if tokens[i:i + n] == marker:
                     best = max(best or 0, i + n)
                     break
         return best
 
-    def prompt(self, ids: list[int]) -> Prompt | None:
+    def prompt(self, ids: list[int] | tuple[int, ...]) -> Prompt | None:
         """The prompt's catalog, format and forecast (None: no catalog), cached per prompt."""
         key = tuple(ids)
         if key in self.prompts:
             self.prompts.move_to_end(key)
             return self.prompts[key]
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
         functions, spans = catalog(text)
         found = None
         if functions:

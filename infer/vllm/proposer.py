@@ -18,10 +18,18 @@ chain from what vLLM committed after each draft), a row costs what vLLM's step m
 fitted to the time between calls), and the rows kept across the batch are those that raise the
 step's expected tokens per millisecond: where rows are nearly free (one request on a CPU) long chains
 go, where a row costs about what a token is worth (many requests) only the surest tokens do.
+
+Drafting itself is host time in vLLM's step loop, serial with the forward: a request's drafting
+is skipped where the tokens it adds do not pay for its milliseconds at the batch's measured rate
+of committed tokens, as our own round loop backs off (``infer/rounds/backoff.py``) — alone it
+nearly always pays; in a big batch whose rows are cheap (a GPU) the same milliseconds cost many
+requests' tokens. Each request's tokens are read incrementally (``chains.Reading``), so a step's
+host time grows with its new tokens, not with every response's length.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections import OrderedDict, deque
@@ -30,8 +38,9 @@ from typing import Any
 from infer.pricing.acceptance import AcceptanceStats
 from infer.pricing.cost_model import line_fit
 from infer.pricing.selection import path_values, select
+from infer.rounds.backoff import DraftWorth, RoundRate
 from infer.rounds.tree import ROOT
-from infer.vllm.chains import STRUCTURE, VALUE, ChainDrafter
+from infer.vllm.chains import STRUCTURE, VALUE, ChainDrafter, Reading
 from schemafill.contract.response_format import FORMATS
 
 FORMAT_ENV = "SCHEMAFILL_RESPONSE_FORMAT"
@@ -51,6 +60,7 @@ def response_format(env: dict[str, str]):
 PRIORS = {STRUCTURE: 0.9, VALUE: 0.6}
 COST_POINTS = 64  # steps the cost fit remembers
 MIN_POINTS = 8  # steps before rows are priced (until then every chain goes whole)
+REQUESTS_KEPT = 1024  # requests whose last draft and drafting worth are remembered
 
 
 class BatchPricing:
@@ -120,8 +130,14 @@ class SchemaFillProposer:
                                                   trust_remote_code=bool(getattr(model, "trust_remote_code", False)))
         self.drafter = ChainDrafter(tokenizer, fmt=response_format(dict(os.environ)))
         self.pricing = BatchPricing()
-        self.sent: OrderedDict[tuple[int, ...], tuple[int, list[int], str]] = OrderedDict()  # prompt -> last draft
-        self.last: tuple[float, int, int] | None = None  # the previous call: when, its rows, its requests
+        self.rate = RoundRate()  # the batch's committed tokens per ms of vLLM's whole step
+        self.launch = DraftWorth()  # what drafting brought on every request so far (each one's prior)
+        # by request (its prompt): its drafting worth, and its last drafting — where, the chain
+        # vLLM got, its kind and its milliseconds
+        self.worths: OrderedDict[tuple[int, ...], DraftWorth] = OrderedDict()
+        self.sent: OrderedDict[tuple[int, ...], tuple[int, list[int], str, float]] = OrderedDict()
+        self.held: list[Reading] = []  # the last step's readings, by row of vLLM's batch
+        self.last: tuple[float, float, int, int] | None = None  # the previous call: start, end, rows, requests
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's worker calls it at start-up; there is no model to load."""
@@ -130,46 +146,80 @@ class SchemaFillProposer:
                 slot_mappings: Any = None) -> list[list[int]]:
         """One chain per request of vLLM's batch (row i of ``token_ids_cpu`` holds request i's
         prompt and output, its first ``num_tokens_no_spec[i]`` tokens verified); none for a
-        request that sampled nothing this step (a prompt still in pieces) or has no room left."""
+        request that sampled nothing this step (a prompt still in pieces), has no room left,
+        or whose drafting does not pay in this batch."""
         now = time.perf_counter()
-        steady = all(len(s) for s in sampled_token_ids)
-        if self.last is not None and steady and self.last[2] == len(sampled_token_ids):
-            # the step since the last call verified what it sent, and took no new prompt
-            self.pricing.observe_step(self.last[1], 1e3 * (now - self.last[0]))
+        if self.last is not None:
+            started, ended, rows, requests = self.last
+            if all(len(s) for s in sampled_token_ids) and requests == len(sampled_token_ids):
+                # the step since the last call verified what it sent, and took no new prompt
+                self.pricing.observe_step(rows, 1e3 * (now - ended))
+            self.rate.round(sum(map(len, sampled_token_ids)), 1e3 * (now - started))
         chains: list[tuple[list[int], str]] = []
-        keys: list[tuple[int, ...] | None] = []
+        readings: list[Reading] = []
+        spent: list[float] = []  # each request's drafting ms this step (-1: not drafted)
+        taken: set[int] = set()  # the last step's readings advanced already (each goes on once)
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
-            room = min(self.k, self.max_model_len - n - 1)
             tokens = token_ids_cpu[i, :n].tolist()
-            start = self.drafter.response_start(tokens)
-            key = None if start is None else tuple(tokens[:start])
-            if key is not None:
-                self._learn(key, tokens)
-            chains.append(self.drafter.draft_tagged(tokens, room, start) if len(sampled) and room >= 1
-                          else ([], ""))
-            keys.append(key)
+            reading = self.drafter.read(tokens, self._held(i, tokens, taken))
+            readings.append(reading)
+            worth = None if reading.key is None else self._worth(reading.key)
+            if worth is not None:
+                self._learn(reading.key, tokens, worth)
+            room = min(self.k, self.max_model_len - n - 1)
+            chain, ms = ([], ""), -1.0
+            if len(sampled) and room >= 1 and reading.parser is not None and worth.worth(self.rate.rate):
+                t0 = time.perf_counter()
+                chain = self.drafter.draft_tagged(tokens, room, reading)
+                ms = 1e3 * (time.perf_counter() - t0)
+            chains.append(chain)
+            spent.append(ms)
+        self.held = readings
         counts = self.pricing.keep(chains)
         drafts = [chain[:c] for (chain, _), c in zip(chains, counts)]
-        for i, (key, (chain, kind), d) in enumerate(zip(keys, chains, drafts)):
-            if key is not None and d:
-                self.sent[key] = (int(num_tokens_no_spec[i]), d, kind)
-                self.sent.move_to_end(key)
-        while len(self.sent) > 1024:
-            self.sent.popitem(last=False)
-        self.last = (time.perf_counter(), sum(1 + len(d) for d in drafts), len(sampled_token_ids))
+        for i, (reading, (_, kind), d, ms) in enumerate(zip(readings, chains, drafts, spent)):
+            if reading.key is not None and ms >= 0:
+                self.sent[reading.key] = (int(num_tokens_no_spec[i]), d, kind, ms)
+                self.sent.move_to_end(reading.key)
+        for kept in (self.sent, self.worths):
+            while len(kept) > REQUESTS_KEPT:
+                kept.popitem(last=False)
+        self.last = (now, time.perf_counter(), sum(1 + len(d) for d in drafts), len(sampled_token_ids))
         return drafts
 
-    def _learn(self, key: tuple[int, ...], tokens: list[int]) -> None:
-        """What vLLM committed after this request's (``key``: its prompt) last draft says of the
-        draft's kind."""
-        sent = self.sent.pop(key, None)
+    def _held(self, row: int, tokens: list[int], taken: set[int]) -> Reading | None:
+        """The last step's reading of the request now at ``row``: one whose tokens these extend
+        (at the same row, or moved in vLLM's batch) and that no other row took this step (two
+        requests alike must not advance one parser); None for a request new to it."""
+        for j in itertools.chain((row,) if row < len(self.held) else (), range(len(self.held))):
+            r = self.held[j]
+            if j not in taken and len(r.tokens) <= len(tokens) and tokens[:len(r.tokens)] == r.tokens:
+                taken.add(j)
+                return r
+        return None
+
+    def _worth(self, key: tuple[int, ...]) -> DraftWorth:
+        worth = self.worths.get(key)
+        if worth is None:
+            worth = self.worths[key] = DraftWorth(self.launch)
+        self.worths.move_to_end(key)
+        return worth
+
+    def _learn(self, key: tuple[int, ...], tokens: list[int], worth: DraftWorth) -> None:
+        """What vLLM committed after this request's (``key``: its prompt) last drafting says of
+        its chain's kind, and of what the drafting was worth."""
+        sent = self.sent.get(key)
         if sent is None:
             return
-        at, draft, kind = sent
+        at, draft, kind, ms = sent
         new = tokens[at:]
-        if new:  # verified since: the draft's tokens it committed, then vLLM's own
-            accepted = 0
-            while accepted < min(len(draft), len(new) - 1) and draft[accepted] == new[accepted]:
-                accepted += 1
+        if not new:  # not verified since (a step that did not schedule it)
+            return
+        del self.sent[key]
+        accepted = 0
+        while accepted < min(len(draft), len(new) - 1) and draft[accepted] == new[accepted]:
+            accepted += 1
+        if draft:
             self.pricing.observe_chain(kind, len(draft), accepted)
+        worth.drafted(accepted + 1, ms)

@@ -78,6 +78,71 @@ def test_requests_interleaved_draft_what_each_drafts_alone(smol_tokenizer):
     assert [shared.draft(t, 8) for t in (a, b, a, b)] == alone * 2
 
 
+def test_a_reading_advanced_token_by_token_drafts_what_a_fresh_read_drafts(smol_tokenizer):
+    # "é" and "€" split into byte tokens: the text's tail is revised as they complete
+    response = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "note": "café € 5"}}\n</tool_call>'
+    tokens = after(smol_tokenizer, "bm25", response)
+    start = len(after(smol_tokenizer, "bm25", ""))
+    incremental, fresh = ChainDrafter(smol_tokenizer), ChainDrafter(smol_tokenizer)
+    held, steps = None, 0
+    for n in list(range(start, len(tokens) + 1)) + [len(tokens)]:  # one token a step, then none
+        held = incremental.read(tokens[:n], held)
+        alone = fresh.read(tokens[:n])
+        assert (held.start, held.key, held.text) == (alone.start, alone.key, alone.text)
+        assert held.parser.state == alone.parser.state
+        assert incremental.draft_tagged(tokens[:n], 8, held) == fresh.draft_tagged(tokens[:n], 8)
+        steps += 1
+    assert held.text == response and steps == len(tokens) - start + 2
+    # tokens that do not extend what was read (another request): read afresh
+    other = after(smol_tokenizer, "one_tool", '<tool_call>\n{"name": "book_flight", "arguments": {')
+    assert incremental.read(other, held).key == fresh.read(other).key != held.key
+    assert incremental.draft(other, 8) == fresh.draft(other, 8) != []
+    # a later generation marker starts a new response
+    again = tokens + after(smol_tokenizer, "bm25", "")[-3:]
+    assert incremental.read(again, held).start == fresh.read(again).start
+
+
+def test_the_proposer_follows_requests_that_move_or_repeat_in_vllms_batch(builtin_artifacts, smol_tokenizer):
+    import numpy as np
+
+    a = after(smol_tokenizer, "bm25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zür')
+    b = after(smol_tokenizer, "one_tool", '<tool_call>\n{"name": "book_flight", "arguments": {')
+    ahead = {0: smol_tokenizer('ich"}}', add_special_tokens=False).input_ids,
+             1: smol_tokenizer('"route":', add_special_tokens=False).input_ids}
+    proposer = SchemaFillProposer(_Config(str(builtin_artifacts / "targets" / "smollm2-135m-base"), 4, 4096))
+    fresh = ChainDrafter(smol_tokenizer)
+    rows = [a, b, a]  # two requests alike: each row's parse goes on by itself
+    for step in range(3):
+        ids = np.zeros((len(rows), 4096), dtype=np.int32)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+        drafts = proposer.propose([[r[-1]] for r in rows], np.array([len(r) for r in rows]), ids)
+        assert drafts == [fresh.draft(r, 4) for r in rows]
+        # one more token each, and the batch reordered (vLLM condenses rows as requests end)
+        rows = [r + [ahead[0 if r[:len(a)] == a else 1][step]] for r in rows][::-1]
+
+
+def test_the_proposer_stops_drafting_what_does_not_pay_at_the_batchs_rate(builtin_artifacts, smol_tokenizer):
+    import numpy as np
+
+    from infer.rounds.backoff import PRIOR_ROUNDS, PROBE_EVERY
+
+    row = after(smol_tokenizer, "bm25", "")
+    ids = np.zeros((1, 4096), dtype=np.int32)
+    ids[0, :len(row)] = row
+    proposer = SchemaFillProposer(_Config(str(builtin_artifacts / "targets" / "smollm2-135m-base"), 4, 4096))
+    for _ in range(PRIOR_ROUNDS):  # the launch measured drafting that added a token a step for 2 ms
+        proposer.launch.drafted(2, 2.0)
+    assert proposer.propose([[1]], np.array([len(row)]), ids) != [[]]  # no rate measured yet: it drafts
+    proposer.rate.rate = 1.0  # a batch committing a token a millisecond: 2 ms of drafting cost 2 tokens
+    # (the steps below, back to back, measure a faster batch still)
+    skipped = [proposer.propose([[1]], np.array([len(row)]), ids) for _ in range(PROBE_EVERY - 1)]
+    assert skipped == [[[]]] * (PROBE_EVERY - 1)
+    assert proposer.propose([[1]], np.array([len(row)]), ids) != [[]]  # a probe
+    proposer.rate.rate, proposer.last = 1e-4, None  # the batch thinned out (no step since): drafting pays again
+    assert proposer.propose([[1]], np.array([len(row)]), ids) != [[]]
+
+
 def test_catalog_and_format_are_read_from_the_prompt_text():
     text = 'tools:\n{"name":"f","parameters":{"type":"object"}}\nnot json {"name": 3}\n' \
            '{"type": "function", "function": {"name": "g", "parameters": {}}}'

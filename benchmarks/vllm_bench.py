@@ -9,7 +9,8 @@ Each configuration runs in a process of its own (one vLLM engine at a time on th
 same BFCL450 requests (spread over the file, rendered as the pipeline renders them for the
 target), greedy, up to ``--max-tokens`` tokens each, first ``--limit`` of them one request at a
 time, then the first n of them submitted at once for each n in ``--at-once`` (default 4, 16 and
-64: a server's load). Reports tokens per second,
+64: a server's load), each pass from a cold prefix cache (vLLM keeps prompt prefixes: a pass after
+one that read the same prompts would skip their prefill). Reports tokens per second,
 acceptance length (vLLM's own counters: 1 + accepted / drafts), and whether every output equals
 vLLM's greedy output without speculation; JSON, and a table to paste into docs/.
 
@@ -119,7 +120,11 @@ def run_config(name: str, args: argparse.Namespace, lengths: list[int] | None) -
         return round(1 + accepted / drafts, 3) if drafts else None
 
     def timed(batches: list[list[int]]) -> tuple[list[list[int]], dict]:
-        """Each batch of request indices submitted at once, one after another."""
+        """Each batch of request indices submitted at once, one after another, from a cold
+        prefix cache: no configuration finds the prompts that an earlier pass (AR's untimed
+        one, which measures the lengths, or the previous load) prefilled."""
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache: the loads would not start alike")
         before, outputs, t0 = counters(llm), [], time.perf_counter()
         for batch in batches:
             outputs += llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in batch], [params[i] for i in batch],

@@ -65,6 +65,10 @@ class Reading:
     def response(self) -> list[int]:
         return [] if self.start is None else self.tokens[self.start:]
 
+    def extended_by(self, tokens: list[int]) -> bool:
+        """Do ``tokens`` begin with the tokens this reading read (a later step of its request)?"""
+        return len(self.tokens) <= len(tokens) and tokens[:len(self.tokens)] == self.tokens
+
 
 @dataclass
 class Prompt:
@@ -150,7 +154,7 @@ class ChainDrafter:
         """The ``Reading`` of ``tokens``; from ``held`` (an earlier step's) where ``tokens``
         extend the tokens it read, so that only the new ones are scanned, decoded into the
         parse and fed to it. Equal to a fresh read either way."""
-        if held is None or len(tokens) < len(held.tokens) or tokens[:len(held.tokens)] != held.tokens:
+        if held is None or not held.extended_by(tokens):
             return self._parse(Reading(tokens, self.response_start(tokens)))
         start = self.response_start(tokens, after=len(held.tokens), best=held.start)
         if start != held.start:  # a new generation marker: a new response

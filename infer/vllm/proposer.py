@@ -194,7 +194,7 @@ class SchemaFillProposer:
         requests alike must not advance one parser); None for a request new to it."""
         for j in itertools.chain((row,) if row < len(self.held) else (), range(len(self.held))):
             r = self.held[j]
-            if j not in taken and len(r.tokens) <= len(tokens) and tokens[:len(r.tokens)] == r.tokens:
+            if j not in taken and r.extended_by(tokens):
                 taken.add(j)
                 return r
         return None

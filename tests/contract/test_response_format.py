@@ -212,9 +212,12 @@ def test_a_suffix_is_tokenised_as_the_whole_response_tokenises_it(smol_tokenizer
         assert continuation_ids(tok, ids[:cut], text, response[len(text):], fmt) == ids[cut:], cut
         checked += 1
     assert checked > len(ids) // 2
-    # a response whose last words the target wrote in its own tokens (" Se|attle"): no merge
-    # across them is assumed, the suffix goes alone
+    # a response whose last words the target wrote in its own tokens (" Se|attle", one token
+    # " Seattle" canonically): its tokens do not come back, so no merge across them is assumed
+    # and the suffix goes alone (the whole text would merge "attle|s" into "attles")
     words = tok(" Se", add_special_tokens=False).input_ids + tok("attle", add_special_tokens=False).input_ids
     own = ids[:2 * CONTINUATION_TAIL] + words
-    text = fmt.decode(tok, own)
-    assert continuation_ids(tok, own, text, '", "n": 1}', fmt) == tok('", "n": 1}', add_special_tokens=False).input_ids
+    text, suffix = fmt.decode(tok, own), 's", "n": 1}'
+    alone = tok(suffix, add_special_tokens=False).input_ids
+    assert tok(text + suffix, add_special_tokens=False).input_ids[len(own) - 1:] != alone
+    assert continuation_ids(tok, own, text, suffix, fmt) == alone

@@ -46,8 +46,10 @@ run: setup  ## the whole pipeline on the built-in target, CPU-sized (report: art
 full: setup  ## the whole-pool recipe for the built-in target (hours on a CPU; resumable) -> *-full artifacts
 	$(BIN)/python train/run.py model=smollm2-135m experiment=full
 
-test: setup  ## the test suite without `slow` tests (< 10 minutes)
-	WANDB_MODE=offline $(BIN)/python -m pytest -m "not slow" -q
+# one test file per core at a time (pytest-xdist), each worker one thread: torch's threads of two
+# workers on the same cores would spin against each other
+test: setup  ## the test suite without `slow` tests (< 10 minutes), one worker per core
+	WANDB_MODE=offline OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -q -n auto --dist loadfile
 
 test-full: setup  ## every test, `slow` ones included
 	WANDB_MODE=offline $(BIN)/python -m pytest -q

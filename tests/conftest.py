@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,15 +44,29 @@ def make_cfg(tmp_path):
 
 @pytest.fixture(scope="session")
 def builtin_artifacts(tmp_path_factory):
-    """A session artifacts folder holding the requests and the converted built-in base model."""
+    """A session artifacts folder holding the requests and the converted built-in base model.
+
+    Made once per run: parallel workers (``pytest -n``) share one conversion under a lock,
+    each gets a folder of its own (the base model linked, read only) to write stages into."""
+    from filelock import FileLock
+
     from schemafill.config import to_dataclass
     from train.run import run
     from train.target import convert_gguf, locate_gguf
 
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "builtin-shared"
+    shared.mkdir(exist_ok=True)
+    made = shared / "artifacts"
+    with FileLock(str(shared / ".lock")):
+        cfg = to_dataclass(compose([f"paths.artifacts={made}", "logger=none", "stages=[requests]"]))
+        run(cfg)  # a no-op once made (the stage is resumable)
+        base_model = convert_gguf(locate_gguf(cfg.model.source, cfg.model.gguf_file),
+                                  made / "targets" / f"{cfg.model.name}-base")
     root = tmp_path_factory.mktemp("builtin") / "artifacts"
-    cfg = to_dataclass(compose([f"paths.artifacts={root}", "logger=none", "stages=[requests]"]))
-    run(cfg)
-    convert_gguf(locate_gguf(cfg.model.source, cfg.model.gguf_file), root / "targets" / f"{cfg.model.name}-base")
+    shutil.copytree(made, root, ignore=shutil.ignore_patterns("targets"))
+    (root / "targets").mkdir()
+    (root / "targets" / base_model.name).symlink_to(base_model, target_is_directory=True)
     return root
 
 

@@ -6,9 +6,10 @@ and grouped by length into batches of a padded-token budget. ``train.sft`` train
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,7 +31,12 @@ class Example:
 
 def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConfig, train: TargetTrainConfig,
                    seed: int) -> tuple[list[Example], dict]:
-    """Tokenized SFT examples: referenced requests plus multi-call compositions of them."""
+    """Tokenized SFT examples: referenced requests plus multi-call compositions of them, as
+    many of each call count as ``train.call_mix`` and ``train.max_examples`` ask.
+
+    Only the candidates a selection needs are rendered and tokenized: with ``max_examples`` a
+    bucket is read in its drawing order until it holds its share, not the whole pool (a
+    thousand-request pool's prompts take longer to tokenize than a short fine-tune's steps)."""
     rng = random.Random(seed)
     referenced = [r for r in requests if r.reference]
     if train.max_catalog > 0:
@@ -41,41 +47,61 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
                             same_tool_share=0.6, sizes=(2, 3, 4, 4, 4), max_catalog=train.compose_max_catalog)
     if train.max_catalog > 0:  # a composition joins its parts' catalogs: trim the union too
         composed = [trim_catalog(r, train.max_catalog, rng) for r in composed]
-    examples, too_long = [], 0
-    fmt = model.fmt
-    # a format whose text does not end the response is ended by EOS: the target must learn to write it
-    end = [] if fmt.self_closing else [tokenizer.eos_token_id]
-    for req in referenced + composed:
-        ids = model_prompt_ids(req, model, tokenizer)
-        text = serialize_calls(req.reference, fmt)
-        resp = response_ids(text, tokenizer)
-        if len(ids) + len(resp) + len(end) > train.max_seq_len:
-            too_long += 1  # never truncated: a cut response would teach a broken format
-            continue
-        decisions = decision_tokens(text, resp, tokenizer) if train.decision_weight != 1.0 else ()
-        examples.append(Example(req.id, ids + resp + end, len(ids), len(req.reference), req.source == "composed",
-                                tuple(len(ids) + i for i in decisions)))
     # Most corpus requests need one call; BFCL450 needs 2-4 (3.1 on average). Left as is, the
     # model learns one call as its prior and writes far fewer calls than asked, so
-    # examples are resampled to `call_mix` shares of 1, 2, 3 and 4+ calls.
-    buckets: list[list[Example]] = [[] for _ in train.call_mix]
-    for e in examples:
-        buckets[min(e.calls, len(buckets)) - 1].append(e)
-    empty = [i + 1 for i, (b, share) in enumerate(zip(buckets, train.call_mix)) if share > 0 and not b]
+    # examples are drawn to `call_mix` shares of 1, 2, 3 and 4+ calls.
+    buckets: list[list[ToolRequest]] = [[] for _ in train.call_mix]
+    for req in referenced + composed:
+        buckets[min(len(req.reference), len(buckets)) - 1].append(req)
+    cap = train.max_examples / sum(train.call_mix) if train.max_examples > 0 else math.inf
+    fitted: list[list[Example]] = []
+    read = too_long = 0
+    total = cap  # examples per unit of call_mix share; an exhausted bucket may lower it
+    for bucket, share in zip(buckets, train.call_mix):
+        # ceil: a bucket left partly unread holds at least its share of the cap
+        want = 0 if share <= 0 else len(bucket) if math.isinf(cap) else math.ceil(cap * share)
+        fit: list[Example] = []
+        for req in natural_first(bucket, len(bucket), rng, lambda r: r.source == "composed"):
+            if len(fit) >= want:
+                break
+            read += 1
+            example = tokenized(req, tokenizer, model, train)
+            if example is None:
+                too_long += 1  # never truncated: a cut response would teach a broken format
+            else:
+                fit.append(example)
+        else:
+            if share > 0:  # every candidate read: the bucket holds all it can
+                total = min(total, len(fit) / share)
+        fitted.append(fit)
+    empty = [i + 1 for i, (fit, share) in enumerate(zip(fitted, train.call_mix)) if share > 0 and not fit]
     if empty:
         raise ValueError(f"no fine-tuning examples with {empty} call(s) fit max_seq_len={train.max_seq_len}; "
                          "raise train.target.max_seq_len or set their train.target.call_mix share to 0")
-    total = min(len(b) / share for b, share in zip(buckets, train.call_mix) if share > 0)
-    if train.max_examples > 0:  # a smaller set, seen more often (cheap with the frozen-layer cache)
-        total = min(total, train.max_examples / sum(train.call_mix))
-    examples = [e for b, share in zip(buckets, train.call_mix) for e in natural_first(b, int(total * share), rng)]
-    stats = {"referenced": len(referenced), "composed": len(composed), "examples": len(examples),
+    examples = [e for fit, share in zip(fitted, train.call_mix) for e in fit[:int(total * share)]]
+    stats = {"referenced": len(referenced), "composed": len(composed), "read": read, "examples": len(examples),
              "examples_by_calls": {f"{i + 1}{'+' if i + 1 == len(buckets) else ''}": int(total * share)
                                    for i, share in enumerate(train.call_mix)},
              "mean_calls": sum(e.calls for e in examples) / max(len(examples), 1),
              "natural_multi_call": sum(e.calls > 1 and not e.composed for e in examples),
              "skipped_too_long": too_long, "max_seq_len": train.max_seq_len}
     return examples, stats
+
+
+def tokenized(req: ToolRequest, tokenizer: Any, model: ModelConfig, train: TargetTrainConfig) -> Example | None:
+    """``req`` as an example (prompt + canonical response + EOS where the format needs it), or
+    None when it does not fit ``train.max_seq_len``."""
+    fmt = model.fmt
+    # a format whose text does not end the response is ended by EOS: the target must learn to write it
+    end = [] if fmt.self_closing else [tokenizer.eos_token_id]
+    ids = model_prompt_ids(req, model, tokenizer)
+    text = serialize_calls(req.reference, fmt)
+    resp = response_ids(text, tokenizer)
+    if len(ids) + len(resp) + len(end) > train.max_seq_len:
+        return None
+    decisions = decision_tokens(text, resp, tokenizer) if train.decision_weight != 1.0 else ()
+    return Example(req.id, ids + resp + end, len(ids), len(req.reference), req.source == "composed",
+                   tuple(len(ids) + i for i in decisions))
 
 
 def closing_offsets(text: str) -> list[int]:
@@ -124,18 +150,19 @@ def trim_catalog(request: ToolRequest, size: int, rng: random.Random) -> ToolReq
     return dataclasses.replace(request, tools=[t for t in request.tools if t["function"]["name"] in keep])
 
 
-def natural_first(bucket: list[Example], k: int, rng: random.Random) -> list[Example]:
+def natural_first(bucket: list, k: int, rng: random.Random,
+                  composed: Callable[[Any], bool] = lambda e: e.composed) -> list:
     """``k`` examples of a call-count bucket, the corpus' own requests before compositions.
 
     A natural multi-call request asks for several things in one sentence, as BFCL's parallel
     sets do; a composition joins separate requests line by line. Both teach several calls,
     but only the natural ones teach reading them out of one sentence, and they are few.
     """
-    natural = [e for e in bucket if not e.composed]
-    composed = [e for e in bucket if e.composed]
+    natural = [e for e in bucket if not composed(e)]
+    joined = [e for e in bucket if composed(e)]
     rng.shuffle(natural)
-    rng.shuffle(composed)
-    return (natural + composed)[:k]
+    rng.shuffle(joined)
+    return (natural + joined)[:k]
 
 
 def batches(examples: list[Example], batch_tokens: int, seed: int):

@@ -4,6 +4,7 @@ on a random model."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -156,3 +157,40 @@ def test_closing_offsets_skip_strings_and_escapes():
     assert [text[i] for i in closing_offsets(text)] == [",", ",", "}", "]", "}"]
     assert closing_offsets(text) == [13, 22, 36, 37, 38]
     assert closing_offsets('"a,b"') == [] and closing_offsets("") == []
+
+
+def test_examples_are_drawn_to_the_call_mix_reading_only_what_the_draw_needs(builtin_artifacts, smol_tokenizer,
+                                                                             make_cfg):
+    from schemafill.contract.compose import compositions
+    from schemafill.contract.records import read_requests
+    from train.sft_data import build_examples, tokenized
+
+    pool = read_requests(builtin_artifacts / "requests" / "train.jsonl")[0][::12]  # ~310 real requests
+    cfg = make_cfg()
+    roomy = dataclasses.replace(cfg.train.target, max_catalog=2, max_seq_len=4096, max_examples=40)
+    examples, stats = build_examples(pool, smol_tokenizer, cfg.model, roomy, seed=0)
+    candidates = stats["referenced"] + stats["composed"]
+    assert stats["read"] == len(examples) < candidates / 4  # 40 examples tokenized, not the whole pool
+    by_calls = [sum(min(e.calls, 4) == c for e in examples) for c in (1, 2, 3, 4)]
+    assert by_calls == [int(40 / sum(roomy.call_mix) * s) for s in roomy.call_mix] == \
+        list(stats["examples_by_calls"].values())
+    for c in (1, 2, 3, 4):  # the corpus' own requests first, then compositions
+        flags = [e.composed for e in examples if min(e.calls, 4) == c]
+        assert flags == sorted(flags)
+
+    # where few 4-call prompts fit, that bucket sets every bucket's count, as though the whole
+    # pool had been tokenized (counted here by tokenizing every candidate)
+    tight = dataclasses.replace(roomy, max_seq_len=768)
+    examples, stats = build_examples(pool, smol_tokenizer, cfg.model, tight, seed=0)
+    rng = random.Random(0)  # the catalogs and compositions build_examples draws
+    referenced = [trim_catalog(r, 2, rng) for r in pool if r.reference]
+    composed = compositions(referenced, int(len(referenced) * tight.compositions), seed=0, prefix="sft_composed",
+                            same_tool_share=0.6, sizes=(2, 3, 4, 4, 4), max_catalog=tight.compose_max_catalog)
+    fits = [0, 0, 0, 0]
+    for r in referenced + [trim_catalog(r, 2, rng) for r in composed]:
+        fits[min(len(r.reference), 4) - 1] += tokenized(r, smol_tokenizer, cfg.model, tight) is not None
+    total = min(f / s for f, s in zip(fits, tight.call_mix))
+    assert total < 40 / sum(tight.call_mix)  # the cap is not what binds
+    assert [sum(min(e.calls, 4) == c for e in examples) for c in (1, 2, 3, 4)] == \
+        [int(total * s) for s in tight.call_mix]
+    assert all(len(e.input_ids) <= 768 for e in examples) and 0 < stats["skipped_too_long"] < stats["read"]

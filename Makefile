@@ -46,10 +46,11 @@ run: setup  ## the whole pipeline on the built-in target, CPU-sized (report: art
 full: setup  ## the whole-pool recipe for the built-in target (hours on a CPU; resumable) -> *-full artifacts
 	$(BIN)/python train/run.py model=smollm2-135m experiment=full
 
-# one test file per core at a time (pytest-xdist), each worker one thread: torch's threads of two
-# workers on the same cores would spin against each other
+# one test file per core at a time (pytest-xdist), each worker one thread (torch's threads of two
+# workers on the same cores would spin against each other); at most 4 workers, each holds models
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 test: setup  ## the test suite without `slow` tests (< 10 minutes), one worker per core
-	WANDB_MODE=offline OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -q -n auto --dist loadfile
+	WANDB_MODE=offline OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile
 
 test-full: setup  ## every test, `slow` ones included
 	WANDB_MODE=offline $(BIN)/python -m pytest -q

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from infer.pricing.acceptance import AcceptanceStats, head_source
 from infer.pricing.cost_model import CostModel, LiveCost
 from infer.pricing.selection import expected_rate, path_values, select
-from infer.rounds.backoff import DraftWorth
+from infer.rounds.backoff import LAUNCH_HORIZON, DraftWorth
 from infer.rounds.candidates import Candidates
 from infer.rounds.share import ALONE, Share
 
@@ -36,7 +36,7 @@ class NodeBudget:
     cost: LiveCost | None = field(init=False, default=None)
     head_gain: float | None = None  # the head's tokens on the accepted path per round it drafted (running mean)
     # what drafting brought over the drafted rounds of the launch's requests (``rounds/backoff.py``)
-    worth: DraftWorth = field(default_factory=DraftWorth)
+    worth: DraftWorth = field(default_factory=lambda: DraftWorth(horizon=LAUNCH_HORIZON))
 
     def __post_init__(self) -> None:
         if self.fixed_host_ms is not None:

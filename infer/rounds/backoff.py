@@ -27,7 +27,9 @@ first ``MEASURED`` rounds, unless the launch has measured ``PRIOR_ROUNDS`` alrea
 the launch's means decide from the first round (a head's first drafting, its catch-up over
 the whole prompt, is its dearest). Until the launch has, only its first ``PRIOR_ROUNDS``
 requests measure; the others wait for what those find (probing as above) rather than every
-request of a first wave paying its first drafting at once.
+request of a first wave paying its first drafting at once. A launch may be a server that runs
+for days while its traffic changes (tool calls in the morning, chat at night), so the launch's
+means fade: a round ``LAUNCH_HORIZON`` rounds old weighs about a third of the newest.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ MEASURED = 3  # drafted rounds a request is measured over before it may stop dra
 PROBE_EVERY = 8  # a request not worth its drafting still drafts a probe round after this many skipped ...
 PROBE_MOST = 64  # ... and after up to this many, the wait doubling with each probe that leaves it not worth
 PRIOR_ROUNDS = 8  # the launch's earlier requests count as this many rounds of a request's own
+LAUNCH_HORIZON = 4096  # rounds over which a launch's means fade (module docstring)
 
 
 @dataclass
@@ -51,8 +54,10 @@ class DraftWorth:
     are shrunk toward its means, and every round this request drafts feeds it too."""
 
     prior: "DraftWorth | None" = None
+    horizon: int | None = None  # rounds over which older rounds fade (None: every round weighs alike)
     gain_sum: float = 0.0
     ms_sum: float = 0.0
+    weight: float = 0.0  # the rounds the sums hold (``rounds`` where nothing fades)
     rounds: int = 0
     skipped: int = 0  # rounds skipped in a row
     probe_every: int = PROBE_EVERY  # the current wait between probes
@@ -61,11 +66,11 @@ class DraftWorth:
 
     @property
     def gain(self) -> float | None:
-        return self.gain_sum / self.rounds if self.rounds else None
+        return self.gain_sum / self.weight if self.rounds else None
 
     @property
     def ms(self) -> float | None:
-        return self.ms_sum / self.rounds if self.rounds else None
+        return self.ms_sum / self.weight if self.rounds else None
 
     def worth(self, rate: float) -> bool:
         """Draft this round, in a batch committing ``rate`` tokens per ms? Always until measured."""
@@ -95,8 +100,10 @@ class DraftWorth:
 
     def drafted(self, committed: int, ms: float) -> None:
         """A drafted round committed ``committed`` tokens after ``ms`` of drafting."""
-        self.gain_sum += max(committed - 1, 0)
-        self.ms_sum += ms
+        keep = 1.0 - 1.0 / self.horizon if self.horizon else 1.0
+        self.gain_sum = keep * self.gain_sum + max(committed - 1, 0)
+        self.ms_sum = keep * self.ms_sum + ms
+        self.weight = keep * self.weight + 1.0
         self.rounds += 1
         if self.prior is not None:
             self.prior.drafted(committed, ms)

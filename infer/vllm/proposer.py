@@ -38,7 +38,7 @@ from typing import Any
 from infer.pricing.acceptance import AcceptanceStats
 from infer.pricing.cost_model import line_fit
 from infer.pricing.selection import path_values, select
-from infer.rounds.backoff import DraftWorth, RoundRate
+from infer.rounds.backoff import LAUNCH_HORIZON, DraftWorth, RoundRate
 from infer.rounds.tree import ROOT
 from infer.vllm.chains import STRUCTURE, VALUE, ChainDrafter, Reading
 from schemafill.contract.response_format import FORMATS
@@ -131,7 +131,7 @@ class SchemaFillProposer:
         self.drafter = ChainDrafter(tokenizer, fmt=response_format(dict(os.environ)))
         self.pricing = BatchPricing()
         self.rate = RoundRate()  # the batch's committed tokens per ms of vLLM's whole step
-        self.launch = DraftWorth()  # what drafting brought on every request so far (each one's prior)
+        self.launch = DraftWorth(horizon=LAUNCH_HORIZON)  # what drafting brought lately (each request's prior)
         # by request (its prompt): its drafting worth, and its last drafting — where, the chain
         # vLLM got, its kind and its milliseconds
         self.worths: OrderedDict[tuple[int, ...], DraftWorth] = OrderedDict()

@@ -10,7 +10,7 @@ from infer.pricing.budget import NodeBudget
 from infer.pricing.cost_model import CostModel
 from infer.proposers.head import TreeBudget
 from infer.rounds import loop
-from infer.rounds.backoff import MEASURED, PRIOR_ROUNDS, PROBE_EVERY, PROBE_MOST, DraftWorth, RoundRate
+from infer.rounds.backoff import LAUNCH_HORIZON, MEASURED, PRIOR_ROUNDS, PROBE_EVERY, PROBE_MOST, DraftWorth, RoundRate
 from infer.rounds.decoding import DecodeOptions, Runtime
 from schemafill.contract.prompt import prompt_ids
 from schemafill.runtime.loading import load_target, load_tokenizer
@@ -29,6 +29,19 @@ def test_drafting_pays_while_its_gain_beats_what_its_time_costs_the_batch():
     assert [w.worth(rate=1.5) for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]  # a probe
     w.drafted(committed=1, ms=2.0)  # nothing gained: the mean falls
     assert w.gain == 1.5 and w.worth(rate=0.7) and not w.worth(rate=0.8)
+
+
+def test_a_launchs_means_follow_its_recent_traffic():
+    faded, kept = DraftWorth(horizon=LAUNCH_HORIZON), DraftWorth()
+    for w in (faded, kept):
+        for _ in range(3 * LAUNCH_HORIZON):  # hours of tool calls: 2 tokens a round beyond the one
+            w.drafted(committed=3, ms=1.0)
+        for _ in range(3 * LAUNCH_HORIZON):  # then as long of chat, where drafts are never taken
+            w.drafted(committed=1, ms=1.0)
+    assert kept.gain == 1.0 and faded.gain < 0.1 and faded.ms == kept.ms == 1.0
+    assert faded.rounds == kept.rounds == 6 * LAUNCH_HORIZON
+    # a new request at a batch rate of 0.5 tokens a ms: the all-time mean still has it draft
+    assert DraftWorth(kept).worth(rate=0.5) and not DraftWorth(faded).worth(rate=0.5)
 
 
 def test_a_launchs_earlier_requests_weigh_as_prior_rounds():

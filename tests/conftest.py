@@ -46,8 +46,9 @@ def make_cfg(tmp_path):
 def builtin_artifacts(tmp_path_factory):
     """A session artifacts folder holding the requests and the converted built-in base model.
 
-    Made once per run: parallel workers (``pytest -n``) share one conversion under a lock,
-    each gets a folder of its own (the base model linked, read only) to write stages into."""
+    Made once per run: parallel workers (``pytest -n``) share one conversion under a lock, and
+    each gets a folder of its own to write stages into, the base model linked into it (stages
+    read it and write beside it)."""
     from filelock import FileLock
 
     from schemafill.config import to_dataclass

@@ -52,8 +52,8 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n :
 test: setup  ## the test suite without `slow` tests (< 10 minutes), one worker per core
 	WANDB_MODE=offline OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile
 
-test-full: setup  ## every test, `slow` ones included
-	WANDB_MODE=offline $(BIN)/python -m pytest -q
+test-full: setup  ## every test, `slow` ones included, one worker per core
+	WANDB_MODE=offline OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 BENCH_LIMIT ?= 0
 BENCH_METHODS ?= [ar,eagle3,eagle3_wide,toolspec,ngram,suffix,schemafill]

@@ -58,9 +58,12 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
     read = too_long = 0
     total = cap  # examples per unit of call_mix share; an exhausted bucket may lower it
     for bucket, share in zip(buckets, train.call_mix):
-        # ceil: a bucket left partly unread holds at least its share of the cap
-        want = 0 if share <= 0 else len(bucket) if math.isinf(cap) else math.ceil(cap * share)
         fit: list[Example] = []
+        fitted.append(fit)
+        if share <= 0:
+            continue
+        # ceil: a bucket left partly unread holds at least its share of the cap
+        want = math.ceil(cap * share) if math.isfinite(cap) else len(bucket)
         for req in natural_first(bucket, len(bucket), rng, lambda r: r.source == "composed"):
             if len(fit) >= want:
                 break
@@ -70,10 +73,8 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
                 too_long += 1  # never truncated: a cut response would teach a broken format
             else:
                 fit.append(example)
-        else:
-            if share > 0:  # every candidate read: the bucket holds all it can
-                total = min(total, len(fit) / share)
-        fitted.append(fit)
+        else:  # every candidate read: the bucket holds all it can
+            total = min(total, len(fit) / share)
     empty = [i + 1 for i, (fit, share) in enumerate(zip(fitted, train.call_mix)) if share > 0 and not fit]
     if empty:
         raise ValueError(f"no fine-tuning examples with {empty} call(s) fit max_seq_len={train.max_seq_len}; "

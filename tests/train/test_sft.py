@@ -161,9 +161,8 @@ def test_closing_offsets_skip_strings_and_escapes():
 
 def test_examples_are_drawn_to_the_call_mix_reading_only_what_the_draw_needs(builtin_artifacts, smol_tokenizer,
                                                                              make_cfg):
-    from schemafill.contract.compose import compositions
     from schemafill.contract.records import read_requests
-    from train.sft_data import build_examples, tokenized
+    from train.sft_data import build_examples
 
     pool = read_requests(builtin_artifacts / "requests" / "train.jsonl")[0][::12]  # ~310 real requests
     cfg = make_cfg()
@@ -178,19 +177,14 @@ def test_examples_are_drawn_to_the_call_mix_reading_only_what_the_draw_needs(bui
         flags = [e.composed for e in examples if min(e.calls, 4) == c]
         assert flags == sorted(flags)
 
-    # where few 4-call prompts fit, that bucket sets every bucket's count, as though the whole
-    # pool had been tokenized (counted here by tokenizing every candidate)
+    # where few 4-call prompts fit, that bucket sets every bucket's count: the draw is the very
+    # one of reading the whole pool (max_examples=0 tokenizes every candidate), read in part
     tight = dataclasses.replace(roomy, max_seq_len=768)
     examples, stats = build_examples(pool, smol_tokenizer, cfg.model, tight, seed=0)
-    rng = random.Random(0)  # the catalogs and compositions build_examples draws
-    referenced = [trim_catalog(r, 2, rng) for r in pool if r.reference]
-    composed = compositions(referenced, int(len(referenced) * tight.compositions), seed=0, prefix="sft_composed",
-                            same_tool_share=0.6, sizes=(2, 3, 4, 4, 4), max_catalog=tight.compose_max_catalog)
-    fits = [0, 0, 0, 0]
-    for r in referenced + [trim_catalog(r, 2, rng) for r in composed]:
-        fits[min(len(r.reference), 4) - 1] += tokenized(r, smol_tokenizer, cfg.model, tight) is not None
-    total = min(f / s for f, s in zip(fits, tight.call_mix))
-    assert total < 40 / sum(tight.call_mix)  # the cap is not what binds
-    assert [sum(min(e.calls, 4) == c for e in examples) for c in (1, 2, 3, 4)] == \
-        [int(total * s) for s in tight.call_mix]
+    whole, whole_stats = build_examples(pool, smol_tokenizer, cfg.model, dataclasses.replace(tight, max_examples=0),
+                                        seed=0)
+    assert whole_stats["read"] == candidates and stats["read"] < candidates
+    assert len(whole) < 40  # the cap is not what binds
+    assert [e.id for e in examples] == [e.id for e in whole] and stats["examples_by_calls"] == \
+        whole_stats["examples_by_calls"]
     assert all(len(e.input_ids) <= 768 for e in examples) and 0 < stats["skipped_too_long"] < stats["read"]

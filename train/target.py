@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import random
@@ -38,6 +37,7 @@ from schemafill.runtime import host
 from schemafill.runtime.device import TRAIN_PROBE_ROWS, resolve_device, train_precision
 from schemafill.runtime.generation import generate, prefix_order
 from schemafill.runtime.loading import from_hf_model, load_config, load_model, load_tokenizer, target_dir
+from train.from_gguf import llama_checkpoint
 from train.sft import Progress, finetune
 from train.sft_data import build_examples
 
@@ -61,24 +61,20 @@ def locate_gguf(package: str, filename: str) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """A plain LlamaForCausalLM safetensors folder (+ tokenizer) equal to the GGUF model.
 
-    The GGUF-loaded model refuses ``save_pretrained`` and its config carries a
-    ``quantization_config`` that would make every reload refuse it too, so the model is
-    rebuilt from a cleaned config and the dequantized state dict.
+    The weights and config are read by ``from_gguf`` (one pass over the file, the same
+    dequantized bits as transformers' GGUF loading); the tokenizer by transformers.
     """
     digest = file_digest(gguf)
     if is_fresh(out, digest, ["config.json", "model.safetensors", "tokenizer.json"]):
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     print(f"[target] converting {gguf.name} to safetensors (once)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = copy.deepcopy(quantized.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    config, state = llama_checkpoint(gguf)
     model = LlamaForCausalLM(config)
-    model.load_state_dict(quantized.state_dict())
-    model.generation_config = quantized.generation_config
+    model.load_state_dict(state, strict=not config.tie_word_embeddings)  # a tied head has no weight of its own
+    model.generation_config = GenerationConfig.from_model_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with atomic.atomic_path(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

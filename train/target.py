@@ -72,7 +72,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     print(f"[target] converting {gguf.name} to safetensors (once)")
     config, state = llama_checkpoint(gguf)
     model = LlamaForCausalLM(config)
-    model.load_state_dict(state, strict=not config.tie_word_embeddings)  # a tied head has no weight of its own
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
+        raise ValueError(f"{gguf.name}: tensors missing {missing}, unexpected {unexpected}")
     model.generation_config = GenerationConfig.from_model_config(config)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with atomic.atomic_path(out) as tmp:

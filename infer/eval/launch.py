@@ -3,7 +3,8 @@
 
 Writes ``<out>/metrics.json`` — per method: accept_length (Σtokens/Σtarget_calls), tps
 (Σtokens/Σseconds), ar_agreement (share of requests whose tokens equal AR's), tokens,
-target_calls, seconds, requests, nodes_per_verify — and ``<out>/outputs/<method>.jsonl``
+target_calls, seconds, requests, nodes_per_verify; by_category where the requests name
+several categories — and ``<out>/outputs/<method>.jsonl``
 with one line per request. Timing covers prompt rendering through stop; model loading and
 ``warmup`` requests are not timed. Malformed records and requests that do not fit the
 context are named in ``<out>/skipped.jsonl`` and the rest are decoded.
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 
 from infer import decoders
 from infer.decoders.context import DecoderContext
-from infer.eval.metrics import pooled
+from infer.eval.metrics import by_category, pooled
 from infer.rounds import loop
 from infer.rounds.decoding import DecodeOptions
 from infer.rounds.options import request_options
@@ -172,6 +173,11 @@ def run(cfg: InferConfig) -> dict:
     greedy = cfg.decode.temperature == 0
     reference = {r["id"]: r["output_ids"] for r in outputs["ar"]} if "ar" in outputs and greedy else None
     metrics = {m: pooled(rows, reference, walls.get(m)) for m, rows in outputs.items()}
+    category = {r.id: r.category or "-" for r in kept}
+    categories = by_category(outputs, category, reference, alone=cfg.concurrency == 1) \
+        if len(set(category.values())) > 1 else {}
+    for m, split in categories.items():
+        metrics[m]["by_category"] = split
     for m, decoder in methods.items():
         budget = getattr(decoder, "budget", None)
         if budget is not None and getattr(budget, "stats", None) is not None:
@@ -189,6 +195,10 @@ def run(cfg: InferConfig) -> dict:
         al = f"{v['accept_length']:6.2f}" if v["accept_length"] is not None else "     -"
         print(f"{m:<13} {al} {v['tps']:8.1f} {ratio} {agree} {v['nodes_per_verify']:6.1f} {v['valid_rate']:6.2f} "
               f"{v['forced']:6d}")
+    if categories and cfg.concurrency == 1 and "ar" in categories:  # where each method gains, and where not
+        print(f"{'×AR by category':<28}" + "".join(f" {m:>8}" for m in categories))
+        for c in categories["ar"]:
+            print(f"{c[:27]:<28}" + "".join(f" {categories[m][c]['x_ar']:>{max(8, len(m))}.2f}" for m in categories))
     print(f"[infer] wrote {out / 'metrics.json'}")
     if grammars is not None:
         ms = sorted(1e3 * t for t in grammars.compile_seconds)

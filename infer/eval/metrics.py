@@ -8,6 +8,8 @@ requests whose tokens equal AR's (the lossless check at temperature 0).
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 
 def pooled(rows: list[dict], reference: dict[str, list[int]] | None, wall: float | None = None) -> dict:
     """``wall``: seconds the rows took together, when they were decoded in one batch (their
@@ -34,3 +36,23 @@ def pooled(rows: list[dict], reference: dict[str, list[int]] | None, wall: float
             "init_nodes": sum(r["init_nodes"] for r in rows) / max(len(rows), 1),
             "kv_rows": sum(r["kv_rows"] for r in rows) / len(rows) if rows and all(r["kv_rows"] for r in rows) else None,
             "time_breakdown": {k: round(v, 3) for k, v in times.items()}}
+
+
+def by_category(rows: dict[str, list[dict]], category: dict[str, str], reference: dict[str, list[int]] | None,
+                alone: bool) -> dict[str, dict[str, dict]]:
+    """Per method, each request category's requests, AL, AR agreement and seconds; ``x_ar``
+    (AR's seconds over the method's, on the same requests) where they were decoded one at a
+    time (``alone``: decoded together, a request's seconds overlap the others')."""
+    split: dict[str, dict[str, list[dict]]] = {m: defaultdict(list) for m in rows}
+    for m, rs in rows.items():
+        for r in rs:
+            split[m][category[r["id"]]].append(r)
+    out: dict[str, dict[str, dict]] = {}
+    for m, groups in split.items():
+        out[m] = {}
+        for c, rs in sorted(groups.items()):
+            p = pooled(rs, reference)
+            ar, seconds = split.get("ar", {}).get(c), sum(r["seconds"] for r in rs)
+            out[m][c] = {k: p[k] for k in ("requests", "accept_length", "ar_agreement", "seconds")} | {
+                "x_ar": round(sum(r["seconds"] for r in ar) / seconds, 3) if alone and ar and seconds else None}
+    return out

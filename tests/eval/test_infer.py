@@ -42,6 +42,7 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     from infer.run import run
 
     lines = (builtin_artifacts / "requests" / "bfcl450.jsonl").read_text().splitlines()[:5]
+    lines = [json.dumps(json.loads(x) | {"category": ["simple", "parallel"][i % 2]}) for i, x in enumerate(lines)]
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(lines[:2] + ["{not json"] + lines[2:]) + "\n")
     lengths = [len(prompt_ids(ToolRequest.from_dict(json.loads(x)), "plain", smol_tokenizer)) for x in lines]
@@ -73,6 +74,16 @@ def test_cli_decodes_losslessly_and_names_bad_input(tmp_path, tiny_target, tiny_
     assert metrics["ar"]["kv_rows"] <= metrics["eagle3"]["kv_rows"]
     assert metrics["schemafill"]["init_nodes"] > 0  # forecast candidates verified with the prompt
     assert result["metrics"] == metrics and set(result["rows"]) == set(metrics)
+    category = {json.loads(x)["id"]: json.loads(x)["category"] for x in lines}
+    for m in ("ar", "eagle3", "schemafill"):  # each category on its own, against AR's on the same requests
+        split = metrics[m]["by_category"]
+        assert set(split) == {"simple", "parallel"} and sum(c["requests"] for c in split.values()) == decoded
+        assert sum(c["seconds"] for c in split.values()) == pytest.approx(metrics[m]["seconds"], abs=1e-2)
+        assert all(c["ar_agreement"] == 1.0 for c in split.values())
+        for c, v in split.items():
+            ar_seconds = sum(r["seconds"] for r in result["rows"]["ar"] if category[r["id"]] == c)
+            assert v["x_ar"] == pytest.approx(ar_seconds / v["seconds"], rel=1e-2)
+    assert all(v["x_ar"] == 1.0 for v in metrics["ar"]["by_category"].values()), metrics["ar"]["by_category"]
 
 
 def test_a_launch_at_a_concurrency_decodes_the_same_tokens_over_its_wall_time(tmp_path, tiny_target, tiny_head,

@@ -23,22 +23,17 @@ def python_quickstart() -> str:
 
 
 def test_the_readme_python_quickstart_decodes_its_request(builtin_artifacts, tmp_path):
-    from schemafill.runtime.drafter import Eagle3Head, HeadConfig, save_head
+    from schemafill.runtime.drafter import save_head
     from schemafill.runtime.loading import load_target
-    from schemafill.runtime.model import rope_tables
+    from tests.decoders.test_schemafill import random_head
 
     # the artifacts a `make run` leaves, stood in for: the base weights as the fine-tuned
     # target (the snippet loads that folder), and a random head of the built-in target's shape
     base = builtin_artifacts / "targets" / "smollm2-135m-base"
     (tmp_path / "artifacts" / "targets").mkdir(parents=True)
     (tmp_path / "artifacts" / "targets" / "smollm2-135m").symlink_to(base.resolve(), target_is_directory=True)
-    aux = [2, 15, 27]
-    target = load_target(base, torch.float32, torch.device("cpu"), aux_layer_ids=aux, backend="eager")
-    torch.manual_seed(0)
-    head = Eagle3Head(HeadConfig.from_target(target.hf_config, draft_vocab_size=4096, aux_layer_ids=aux),
-                      target.model.embed_tokens, *rope_tables(target.hf_config))
-    head.set_vocab(torch.arange(4096))
-    save_head(head, tmp_path / "artifacts" / "heads" / "smollm2-135m")
+    target = load_target(base, torch.float32, torch.device("cpu"), aux_layer_ids=[2, 15, 27], backend="eager")
+    save_head(random_head(target), tmp_path / "artifacts" / "heads" / "smollm2-135m")
 
     snippet = python_quickstart()
     short = snippet.replace('["model=smollm2-135m"]', '["model=smollm2-135m", "decode.max_new_tokens=24"]')

@@ -126,9 +126,8 @@ def llama_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
         elif name.endswith("attn_k.weight"):
             w = unpermute_rotary(w, kv_heads)
         state[_hf_name(name)] = w
-    tokens = meta.get("tokenizer.ggml.tokens")
     config = LlamaConfig(
-        vocab_size=meta.get("llama.vocab_size", len(tokens) if tokens else state["model.embed_tokens.weight"].shape[0]),
+        vocab_size=state["model.embed_tokens.weight"].shape[0],
         hidden_size=hidden, intermediate_size=meta["llama.feed_forward_length"],
         num_hidden_layers=meta["llama.block_count"], num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=meta.get("llama.rope.dimension_count", hidden // heads),

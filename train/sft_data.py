@@ -9,7 +9,7 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -64,7 +64,7 @@ def build_examples(requests: list[ToolRequest], tokenizer: Any, model: ModelConf
             continue
         # ceil: a bucket left partly unread holds at least its share of the cap
         want = math.ceil(cap * share) if math.isfinite(cap) else len(bucket)
-        for req in natural_first(bucket, len(bucket), rng, lambda r: r.source == "composed"):
+        for req in natural_first(bucket, rng):
             if len(fit) >= want:
                 break
             read += 1
@@ -151,19 +151,19 @@ def trim_catalog(request: ToolRequest, size: int, rng: random.Random) -> ToolReq
     return dataclasses.replace(request, tools=[t for t in request.tools if t["function"]["name"] in keep])
 
 
-def natural_first(bucket: list, k: int, rng: random.Random,
-                  composed: Callable[[Any], bool] = lambda e: e.composed) -> list:
-    """``k`` examples of a call-count bucket, the corpus' own requests before compositions.
+def natural_first(bucket: list[ToolRequest], rng: random.Random) -> list[ToolRequest]:
+    """A call-count bucket in its drawing order: the corpus' own requests before compositions,
+    each shuffled.
 
     A natural multi-call request asks for several things in one sentence, as BFCL's parallel
     sets do; a composition joins separate requests line by line. Both teach several calls,
     but only the natural ones teach reading them out of one sentence, and they are few.
     """
-    natural = [e for e in bucket if not composed(e)]
-    joined = [e for e in bucket if composed(e)]
+    natural = [r for r in bucket if r.source != "composed"]
+    joined = [r for r in bucket if r.source == "composed"]
     rng.shuffle(natural)
     rng.shuffle(joined)
-    return (natural + joined)[:k]
+    return natural + joined
 
 
 def batches(examples: list[Example], batch_tokens: int, seed: int):

@@ -45,12 +45,12 @@ def test_trimmed_catalog_keeps_called_tools_in_catalog_order():
                | {trim_catalog(req, 3, random.Random(s)).tool_names[-1] for s in range(20)}) > 2
 
 
-def test_natural_examples_come_before_compositions():
-    bucket = [Example(f"c{i}", [1], 1, 2, composed=True) for i in range(5)]
-    bucket += [Example(f"n{i}", [1], 1, 2) for i in range(3)]
-    picked = natural_first(bucket, 4, random.Random(0))
-    assert sorted(e.id for e in picked[:3]) == ["n0", "n1", "n2"] and picked[3].composed
-    assert len(natural_first(bucket, 20, random.Random(0))) == 8
+def test_natural_requests_come_before_compositions():
+    bucket = [dataclasses.replace(request(["a"], ["a"]), id=f"c{i}", source="composed") for i in range(5)]
+    bucket += [dataclasses.replace(request(["a"], ["a"]), id=f"n{i}", source="bfcl_v3") for i in range(3)]
+    picked = natural_first(bucket, random.Random(0))
+    assert sorted(r.id for r in picked[:3]) == ["n0", "n1", "n2"] and picked[3].source == "composed"
+    assert sorted(r.id for r in picked) == sorted(r.id for r in bucket)
 
 
 def test_lr_warms_up_then_decays_to_a_tenth():

@@ -27,7 +27,7 @@ def head_source(q: float) -> str:
 
 # where a source starts before it has been observed (the statistics take over after a few
 # rounds): the packer's structure is nearly always what the target writes, its values less so
-PRIORS = {"pack_bridge": 0.9, "side_bridge": 0.9, "side_value": 0.8, "side_provisional": 0.6,
+PRIORS = {"pack_bridge": 0.9, "side_bridge": 0.9, "pack_open": 0.8, "side_value": 0.8, "side_provisional": 0.6,
           # a guessed end of an open value: MAIN's own (any token may be its last), a SIDE
           # branch's unclosed value (the branch may be about to close it)
           "pack_close_string": 0.2, "pack_close_number": 0.4, "side_close_string": 0.4, "side_close_number": 0.5,

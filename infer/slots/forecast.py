@@ -67,7 +67,26 @@ def predicted_keys(fn: dict) -> list[str]:
     return required or keys
 
 
+# schema type names, JSON Schema's and the looser ones catalogs use, by how their values start
+_KINDS = {"string": "string", "str": "string", "char": "string", "integer": "number", "int": "number",
+          "long": "number", "number": "number", "float": "number", "double": "number", "boolean": "boolean",
+          "bool": "boolean", "array": "array", "list": "array", "tuple": "array", "object": "object",
+          "dict": "object"}
+
+
+def value_kind(spec: object) -> str:
+    """How a value of the schema ``spec`` starts (``packer.OPENINGS``): "string", "number",
+    "boolean", "array" ("array_string" when its items are strings) or "object"; "" where the
+    schema does not say (no type, a union, an unknown name)."""
+    kind = _KINDS.get(spec["type"].lower(), "") if isinstance(spec, dict) and isinstance(spec.get("type"), str) else ""
+    if kind == "array" and value_kind(spec.get("items")) == "string":
+        return "array_string"
+    return kind
+
+
 def call_plan(fn: dict) -> CallPlan:
-    """The plan of one call of ``fn``: its predicted keys, its schema's keys, nothing prepared."""
+    """The plan of one call of ``fn``: its predicted keys, its schema's keys and their kinds of
+    value, nothing prepared."""
     props = (fn.get("parameters") or {}).get("properties") or {}
-    return CallPlan(fn["name"], tuple(predicted_keys(fn)), tuple(props), {})
+    kinds = {k: kind for k, spec in props.items() if (kind := value_kind(spec))}
+    return CallPlan(fn["name"], tuple(predicted_keys(fn)), tuple(props), {}, kinds)

@@ -37,12 +37,17 @@ know, and without the guess the round that writes a value's last token stops the
 next round's correction is only the closing character; the chain after it waits a round more.
 The closing character is tagged ``close_string`` / ``close_number`` so its acceptance is
 learnt apart.
+Beyond the paper, a value nobody has prepared still starts as its schema's type says (a string's
+quote, an array's bracket: ``OPENINGS``, tagged ``open``), and the proposal says which characters
+the unknown value may start with (``Packed.then``): the tokenizer decides whether the text before
+it ends in a token of its own (a space before a digit) or in one that merges with the value
+(``response_format.stable_continuation_ids``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from schemafill.contract.parser import ParseState
 from schemafill.contract.response_format import FIELD_BRIDGE, JSON, ResponseFormat, dumps
@@ -54,6 +59,7 @@ class CallPlan:
     keys: tuple[str, ...]  # keys predicted to be written, in order
     schema_keys: tuple[str, ...] = ()  # every key of the tool's schema, in order
     values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
+    types: dict[str, str] = field(default_factory=dict)  # key -> the schema's kind of value (``OPENINGS``)
 
 
 # what each piece of a proposal is, for the acceptance estimates (infer/pricing/acceptance.py)
@@ -63,8 +69,34 @@ CLOSES = (CLOSE_STRING, CLOSE_NUMBER)
 # where a call ends, another may follow (NEXT: the bridge to it) or the response may end (END:
 # the closing after the last call): structure, but the one choice in it the plans may get wrong
 NEXT, END = "next", "end"
-STRUCTURE = (BRIDGE, NEXT, END) + CLOSES  # what the packer writes itself: no SIDE branch needed
-Piece = tuple[str | None, str]  # (text, kind); text None where a value is unknown
+OPEN = "open"  # the start of an unknown value its schema's type fixes: structure the plan may get wrong
+STRUCTURE = (BRIDGE, NEXT, END, OPEN) + CLOSES  # what the packer writes itself: no SIDE branch needed
+# (text, kind); text None where a value is unknown, and its kind then the characters the value
+# may start with ("" where they are not worth saying: a provisional value goes on in a word)
+Piece = tuple[str | None, str]
+
+# what a value of each kind of schema starts with, and the characters that may follow that
+# start: a string's quote, then a letter; a number's digit; an array of strings' '["', ...
+OPENINGS: dict[str, tuple[str, str]] = {
+    "string": ('"', "aA"), "number": ("", "15"), "boolean": ("", "tf"), "array": ("[", '1"[{'),
+    "array_string": ('["', "aA"), "object": ("{", '"}'),
+}
+ANY_VALUE = '"1[{tn'  # what a value of no known kind may start with
+
+
+def value_start(kind: str) -> tuple[str, str]:
+    """What a value of ``kind`` (``CallPlan.types``) starts with, and the characters that may
+    follow that start."""
+    return OPENINGS.get(kind, ("", ANY_VALUE))
+
+
+class Packed(NamedTuple):
+    """A proposal: its text, each character's kind, and the characters the unknown value after
+    it may start with ("" where the text ends otherwise)."""
+
+    text: str
+    kinds: list[str]
+    then: str = ""
 
 
 def closing(literal: str) -> Piece | None:
@@ -80,10 +112,12 @@ def closing(literal: str) -> Piece | None:
 
 
 def _call_pieces(fmt: ResponseFormat, tool: str, fields: list[tuple[str, str | None]],
-                 provisional: dict[str, str] | None = None, close: bool = False) -> list[Piece]:
+                 provisional: dict[str, str] | None = None, close: bool = False,
+                 types: dict[str, str] | None = None) -> list[Piece]:
     """Text pieces of one call in ``fmt``'s key order (its name before or after its
     arguments); None where a value is unknown (the proposal stops there, after the value's
-    provisional prefix if it has one, or, with ``close``, goes on as if the value ended there)."""
+    provisional prefix if it has one, or, with ``close``, goes on as if the value ended there;
+    else after the start its kind in ``types`` fixes)."""
     out: list[Piece] = [(fmt.call_header(tool), BRIDGE)]
     for i, (key, value) in enumerate(fields):
         out.append(((FIELD_BRIDGE if i else "") + dumps(key) + ": ", BRIDGE))
@@ -93,6 +127,14 @@ def _call_pieces(fmt: ResponseFormat, tool: str, fields: list[tuple[str, str | N
             if end is not None:
                 out.append(end)
                 continue
+            out.append((None, ""))
+            continue
+        if value is None:
+            opening, then = value_start((types or {}).get(key, ""))
+            if opening:
+                out.append((opening, OPEN))
+            out.append((None, then))
+            continue
         out.append((value, VALUE))
     out.append((fmt.call_close(tool), BRIDGE))
     return out
@@ -100,18 +142,20 @@ def _call_pieces(fmt: ResponseFormat, tool: str, fields: list[tuple[str, str | N
 
 def _plan_pieces(fmt: ResponseFormat, plan: CallPlan, provisional: dict[str, str] | None,
                  close: bool = False) -> list[Piece]:
-    return _call_pieces(fmt, plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional, close)
+    return _call_pieces(fmt, plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional, close,
+                        plan.types)
 
 
-def _join(pieces: list[Piece]) -> tuple[str, list[str]]:
-    """The text up to the first unknown piece, and the kind of each of its characters (an
-    empty closing piece — a number's end — tags the character after it)."""
+def _join(pieces: list[Piece]) -> Packed:
+    """The text up to the first unknown piece, the kind of each of its characters (an empty
+    closing piece — a number's end — tags the character after it), and what the unknown piece
+    may start with."""
     text: list[str] = []
     kinds: list[str] = []
     carry = None
     for p, kind in pieces:
         if p is None:
-            break
+            return Packed("".join(text), kinds, kind)
         if kind in CLOSES and not p:
             carry = kind
             continue
@@ -120,7 +164,7 @@ def _join(pieces: list[Piece]) -> tuple[str, list[str]]:
         if carry and p:
             kinds[len(kinds) - len(p)] = carry
             carry = None
-    return "".join(text), kinds
+    return Packed("".join(text), kinds)
 
 
 def _realized(text: str, state: ParseState) -> list[tuple[str, str]]:
@@ -167,24 +211,25 @@ def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bo
 
 def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
                    provisional: dict[tuple[int, str], str] | None = None, fmt: ResponseFormat = JSON,
-                   close: bool = False) -> tuple[str, list[str]]:
-    """``propose``, with the kind of each character: a structural bridge (call header, keys,
-    separators, closings), a prepared value, a provisional value still being prepared, or
-    (``close``) the guessed end of an open value."""
+                   close: bool = False) -> Packed:
+    """``propose``, with the kind of each character — a structural bridge (call header, keys,
+    separators, closings), a value's schema-fixed start, a prepared value, a provisional value
+    still being prepared, or (``close``) the guessed end of an open value — and what the
+    unknown value after it may start with."""
     ahead: dict[int, dict[str, str]] = {}  # call -> key -> unclosed value prefix
     for (j, key), prefix in (provisional or {}).items():
         ahead.setdefault(j, {})[key] = prefix
     if state.closed or state.error is not None:
-        return "", []
+        return Packed("", [])
     if state.call_index is not None:  # inside call j: rebuild it from its "{"
         j = state.call_index
         plan = plans[j] if j < len(plans) else None
         tool = state.tool_name or (plan.tool if plan else None)
         if tool is None or plan is None or plan.tool != tool:
-            return "", []  # the caller rebinds plans to realized tools before asking
+            return Packed("", [])  # the caller rebinds plans to realized tools before asking
         fields = _current_fields(text, state, plan)
         if fields is None:
-            return "", []
+            return Packed("", [])
         if close and state.in_value and state.field is not None and dict(fields).get(state.field) is None:
             # nothing prepared matches the value MAIN is writing: unless a provisional value
             # runs on from it, guess that MAIN's own ends here
@@ -193,16 +238,16 @@ def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_ca
                 ahead.setdefault(j, {})[state.field] = partial
         # a provisional value MAIN has already run past proposes nothing (no prefix match)
         base, nxt = text[:state.call_start], j + 1
-        found = _extend(text, base, _call_pieces(fmt, tool, fields, ahead.get(j), close), nxt, plans, ahead,
-                        cross_calls, fmt, close)
+        found = _extend(text, base, _call_pieces(fmt, tool, fields, ahead.get(j), close, plan.types), nxt, plans,
+                        ahead, cross_calls, fmt, close)
         if found is None:
             # MAIN closed (or is closing) the arguments before the predicted keys: its
             # realized fields, then the call's close (args-first formats: the name) and what follows
             realized = list(_realized(text, state))
             if realized != fields:
-                found = _extend(text, base, _call_pieces(fmt, tool, realized, ahead.get(j), close), nxt, plans,
-                                ahead, cross_calls, fmt, close)
-        return found or ("", [])
+                found = _extend(text, base, _call_pieces(fmt, tool, realized, ahead.get(j), close, plan.types), nxt,
+                                plans, ahead, cross_calls, fmt, close)
+        return found or Packed("", [])
     if state.calls_started:  # between calls: after the "}" of the last one
         base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
     else:  # no call yet
@@ -210,12 +255,12 @@ def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_ca
         if nxt < len(plans):
             pieces += _plan_pieces(fmt, plans[0], ahead.get(0), close)
             nxt = 1
-    return _extend(text, base, pieces, nxt, plans, ahead, cross_calls, fmt, close) or ("", [])
+    return _extend(text, base, pieces, nxt, plans, ahead, cross_calls, fmt, close) or Packed("", [])
 
 
 def _extend(text: str, base: str, pieces: list[Piece], nxt: int, plans: list[CallPlan],
             ahead: dict[int, dict[str, str]], cross_calls: bool, fmt: ResponseFormat, close: bool = False
-            ) -> tuple[str, list[str]] | None:
+            ) -> Packed | None:
     """``base`` + ``pieces`` (then, across calls, the plans from ``nxt`` on and the closing)
     past ``text``, with each character's kind; None when that text does not extend ``text``."""
     if cross_calls or not pieces or pieces == [(fmt.header, BRIDGE)]:
@@ -223,19 +268,19 @@ def _extend(text: str, base: str, pieces: list[Piece], nxt: int, plans: list[Cal
         for j in range(nxt, len(plans)):
             pieces += [(fmt.call_bridge, NEXT)] + _plan_pieces(fmt, plans[j], ahead.get(j), close)
         pieces.append((fmt.close, END if nxt else BRIDGE))
-    joined, kinds = _join(pieces)
+    joined, kinds, then = _join(pieces)
     predicted = base + joined
     if not predicted.startswith(text):
         return None
     kinds = [BRIDGE] * len(base) + kinds
-    return predicted[len(text):], kinds[len(text):]
+    return Packed(predicted[len(text):], kinds[len(text):], then)
 
 
 def token_kinds(tokenizer: Any, committed: list[int], text: str, suffix: str, kinds: list[str],
                 ids: list[int], fmt: ResponseFormat = JSON) -> list[str]:
     """The kind of each token of ``ids`` (``continuation_ids`` of ``suffix``): the riskiest kind
     among the characters it covers (provisional over value over bridge)."""
-    rank = {BRIDGE: 0, NEXT: 1, END: 1, VALUE: 2, PROVISIONAL: 3, CLOSE_STRING: 4, CLOSE_NUMBER: 4}
+    rank = {BRIDGE: 0, NEXT: 1, END: 1, OPEN: 1, VALUE: 2, PROVISIONAL: 3, CLOSE_STRING: 4, CLOSE_NUMBER: 4}
     # character offsets from a short tail of the committed tokens: decoding the whole response
     # per token would cost more than the tags are worth (a tag only steers the estimates)
     tail = committed[-4:]

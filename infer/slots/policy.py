@@ -75,10 +75,10 @@ from infer.rounds.share import ALONE, Offer, Share
 from infer.rounds.tree import ROOT, chain, merge
 from infer.slots.align import current_call, rebind, rebind_by_keys, written_keys
 from infer.slots.forecast import call_plan, forecast_groups, rank_tools
-from infer.slots.packer import CLOSES, NEXT, STRUCTURE, CallPlan, propose_tagged, token_kinds
+from infer.slots.packer import CLOSES, NEXT, STRUCTURE, CallPlan, propose_tagged, token_kinds, value_start
 from infer.slots.side import SideBranches, SideContexts
 from schemafill.config import ABLATIONS, DecodeConfig
-from schemafill.contract.response_format import ResponseFormat, continuation_ids
+from schemafill.contract.response_format import ResponseFormat, continuation_ids, stable_continuation_ids
 from schemafill.contract.toolcall import ToolRequest
 
 SIDE_DRAFT = "side_draft:1"  # the head's draft after a SIDE branch's pending token
@@ -200,15 +200,22 @@ class SlotDrafting(Drafting):
 
     def first(self, s: MainSession) -> Proposal:
         """MAIN's candidates at initialisation and the first SIDE prefixes: for each forecast
-        tool, the canonical response up to its first value, merged into one tree."""
-        texts = [self.fmt.field_prefix(p.tool, p.keys[0]) if p.keys else self.fmt.header + self.fmt.call_header(p.tool)
-                 for p in self.plans]  # name-last formats: the same text for tools with the same first key
-        candidates = [chain(self.tokenizer(text, add_special_tokens=False).input_ids[: self.cfg.max_chain])
-                      for text in dict.fromkeys(texts)]
+        tool, the canonical response up to its first value's start, merged into one tree."""
+        texts = [self._first_text(p) for p in self.plans]  # name-last formats: one text for tools alike
+        candidates = [chain(stable_continuation_ids(self.tokenizer, [], "", text, then, self.fmt)[: self.cfg.max_chain])
+                      for text, then in dict.fromkeys(texts)]
         tree = merge(candidates) if candidates else ([], [])
         extra, owners = self.side.open_first(self.plans) if self._sides_pay() else ([], [])
         self.ledger.rows += sum(len(seg.tokens) for seg in extra)  # SIDE rows too: what SIDE branches cost
         return Proposal(Candidates.tree(*tree, "init"), extra, owners)
+
+    def _first_text(self, plan: CallPlan) -> tuple[str, str]:
+        """A first call of ``plan``'s tool up to its first value's start (the schema's quote or
+        bracket: ``packer.value_start``), and what the value may start with after it."""
+        if not plan.keys:
+            return self.fmt.header + self.fmt.call_header(plan.tool), ""
+        opening, then = value_start(plan.types.get(plan.keys[0], ""))
+        return self.fmt.field_prefix(plan.tool, plan.keys[0]) + " " + opening, then
 
     def idle(self, s: MainSession) -> None:
         self.drafter.idle(s)
@@ -373,10 +380,9 @@ class SlotDrafting(Drafting):
         """The packer's chain after MAIN's committed text, tokenised as the whole response
         would be, and each token's kind (its source tags them); no kinds when the packer has nothing."""
         cfg = self.cfg
-        suffix, kinds = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
-                                       fmt=self.fmt, close=cfg.guess_ends)
-        suffix = suffix.rstrip(" ")  # a lone trailing space before an unknown value would not be the target's token
-        packed = continuation_ids(self.tokenizer, s.response, text, suffix, self.fmt)[: cfg.max_chain]
+        suffix, kinds, then = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
+                                             fmt=self.fmt, close=cfg.guess_ends)
+        packed = stable_continuation_ids(self.tokenizer, s.response, text, suffix, then, self.fmt)[: cfg.max_chain]
         if not packed:
             return Candidates(), []
         kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed, self.fmt)

@@ -34,11 +34,11 @@ from typing import Any
 from infer.proposers.lookup import copy_matches
 from infer.slots.align import current_call, rebind
 from infer.slots.forecast import call_plan, forecast_groups, rank_tools
-from infer.slots.packer import CallPlan, propose
+from infer.slots.packer import CallPlan, propose_tagged
 from infer.slots.policy import copy_source
 from schemafill.contract.parser import CallLayout, ParseState, ToolCallParser
 from schemafill.contract.prompt import INSTRUCTIONS, format_instructions
-from schemafill.contract.response_format import FORMATS, HERMES, JSON, ResponseFormat, continuation_ids
+from schemafill.contract.response_format import FORMATS, HERMES, JSON, ResponseFormat, stable_continuation_ids
 from schemafill.contract.toolcall import ToolRequest
 
 STRUCTURE, VALUE = "structure", "value"  # what a chain is, or a copy's source (acceptance is learnt per kind)
@@ -207,8 +207,9 @@ class ChainDrafter:
             if call.name is not None:
                 rebind(plans, j, call.name, prompt.functions)
         provisional = None if value is None else {(current_call(state), state.field): value}
-        suffix = propose(text, state, plans, provisional=provisional, fmt=prompt.fmt, close=value is not None)
-        return continuation_ids(self.tokenizer, response, text, suffix.rstrip(" "), prompt.fmt)
+        suffix, _, then = propose_tagged(text, state, plans, provisional=provisional, fmt=prompt.fmt,
+                                         close=value is not None)
+        return stable_continuation_ids(self.tokenizer, response, text, suffix, then, prompt.fmt)
 
     @staticmethod
     def value_copy(prompt: Prompt, text: str, state: ParseState) -> str | None:

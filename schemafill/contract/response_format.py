@@ -424,3 +424,24 @@ def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: st
     if full[: len(committed)] == committed and len(full) > len(committed):
         return full[len(committed):]
     return tokenizer(suffix, add_special_tokens=False).input_ids
+
+
+def stable_continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str, then: str = "",
+                            fmt: ResponseFormat = JSON) -> list[int]:
+    """``continuation_ids`` of ``suffix`` up to its last token that none of the characters in
+    ``then`` (what may come next) would merge with: the tokens it shares with the suffix
+    continued by each. Whether ``": "`` ends in a space token before a number is the
+    tokenizer's to say (its own before a digit, merged with a quote or a letter); without
+    ``then``, a trailing space is dropped, as most tokenizers merge it with the word after."""
+    if not then:
+        return continuation_ids(tokenizer, committed, text, suffix.rstrip(" "), fmt)
+    ids = continuation_ids(tokenizer, committed, text, suffix, fmt)
+    for c in then:
+        if not ids:
+            break
+        longer = continuation_ids(tokenizer, committed, text, suffix + c, fmt)
+        n = 0
+        while n < len(ids) and n < len(longer) and ids[n] == longer[n]:
+            n += 1
+        ids = ids[:n]
+    return ids

@@ -109,10 +109,10 @@ def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
     from schemafill.contract.response_format import continuation_ids
 
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa'
-    suffix, kinds = propose_tagged(text, parse_prefix(text), [WEATHER], provisional={(0, "days"): "3"})
+    suffix, kinds, _ = propose_tagged(text, parse_prefix(text), [WEATHER], provisional={(0, "days"): "3"})
     assert suffix == 'ris", "unit": "C"}}]}' and len(kinds) == len(suffix)
     assert "".join("v" if k == VALUE else "b" for k in kinds) == "vvvvbbbbbbbbbbvvvbbbb"
-    _, kinds = propose_tagged('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da',
+    _, kinds, _ = propose_tagged('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da',
                               parse_prefix('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da'),
                               [WEATHER], provisional={(0, "days"): "3"})
     assert kinds[-1] == PROVISIONAL and set(kinds[:-1]) == {BRIDGE}
@@ -177,18 +177,18 @@ def test_guessed_ends_close_mains_value_and_provisional_ones_and_go_on():
     head = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": '
     # MAIN's own string, nothing prepared: without the guess nothing is proposed
     assert p(head + '"Lo', plans) == ""
-    suffix, kinds = propose_tagged(head + '"Lo', parse_prefix(head + '"Lo'), plans, close=True)
+    suffix, kinds, _ = propose_tagged(head + '"Lo', parse_prefix(head + '"Lo'), plans, close=True)
     assert suffix == '", "days": ' and kinds[0] == CLOSE_STRING and set(kinds[1:]) == {"bridge"}
     # a number: its end is the structure after it, whose first character carries the guess
     text = head + '"Lo", "days": 3'
-    suffix, kinds = propose_tagged(text, parse_prefix(text), plans, close=True)
+    suffix, kinds, _ = propose_tagged(text, parse_prefix(text), plans, close=True)
     assert suffix == '}}, {"name": "get_time", "arguments": {"tz": ' and kinds[0] == CLOSE_NUMBER
     assert kinds[2:4] == [NEXT, NEXT] and kinds[-1] == "bridge"
     # provisional values are closed where they stop, and the chain runs on to the next unknown
     ahead = {(0, "days"): "1", (1, "tz"): '"UT'}
     text = head + '"London"'
     assert p(text, plans, provisional=ahead) == ', "days": 1'
-    suffix, kinds = propose_tagged(text, parse_prefix(text), plans, provisional=ahead, close=True)
+    suffix, kinds, _ = propose_tagged(text, parse_prefix(text), plans, provisional=ahead, close=True)
     assert suffix == ', "days": 1}}, {"name": "get_time", "arguments": {"tz": "UT"}}]}'
     tags = dict(bridge="b", next="n", end="e", provisional="p", close_number="c", close_string="c")
     header = '{"name": "get_time", "arguments": {"tz": '
@@ -205,3 +205,50 @@ def test_arguments_closed_before_the_predicted_keys_go_on_to_the_next_call():
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome"}'
     assert p(text, [WEATHER, TIME]) == '}, {"name": "get_time", "arguments": {"tz": '
     assert p(text, [WEATHER]) == "}]}"
+
+
+def test_a_value_nobody_prepared_starts_as_its_schema_says():
+    from infer.slots.forecast import value_kind
+    from infer.slots.packer import ANY_VALUE, OPEN, propose_tagged
+
+    assert [value_kind(s) for s in ({"type": "integer"}, {"type": "float"}, {"type": "String"}, {"type": "dict"},
+                                    {"type": "array", "items": {"type": "string"}}, {"type": "tuple"},
+                                    {"type": ["string", "null"]}, {}, "string")] == \
+        ["number", "number", "string", "object", "array_string", "array", "", "", ""]
+    fn = {"name": "book", "parameters": {"type": "object", "required": ["n", "city", "tags", "ok", "x"], "properties": {
+        "n": {"type": "integer"}, "city": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "ok": {"type": "boolean"}, "x": {}}}}
+    plan = call_plan(fn)
+    head = '{"tool_calls": [{"name": "book", "arguments": {'
+    cases = [(head + '"n', '": ', "15"), (head + '"n": 3, "city', '": "', "aA"),
+             (head + '"n": 3, "city": "Rome", "tags', '": ["', "aA"),
+             (head + '"n": 3, "city": "Rome", "tags": [], "ok', '": ', "tf"),
+             (head + '"n": 3, "city": "Rome", "tags": [], "ok": true, "x', '": ', ANY_VALUE)]
+    for text, suffix, then in cases:
+        packed = propose_tagged(text, parse_prefix(text), [plan])
+        assert (packed.text, packed.then) == (suffix, then), text
+    packed = propose_tagged(head + '"n": 3, "city', parse_prefix(head + '"n": 3, "city'), [plan])
+    assert packed.kinds[-1] == OPEN and set(packed.kinds[:-1]) == {"bridge"}
+    # MAIN has begun the value itself: the opening is behind it, nothing is proposed (no guessed end)
+    assert p(head + '"n": 3, "city": "Ro', [plan]) == ""
+    # a plan without kinds (a schema that says none) stops before the value, as any value may follow
+    bare = CallPlan("book", plan.keys, plan.schema_keys, {})
+    assert propose_tagged(head + '"n', parse_prefix(head + '"n'), [bare]) == ('": ', ["bridge"] * 3, ANY_VALUE)
+
+
+def test_the_tokens_kept_before_an_unknown_value_are_the_ones_it_cannot_merge_with(smol_tokenizer):
+    from schemafill.contract.response_format import stable_continuation_ids
+
+    def kept(text, suffix, then):
+        committed = smol_tokenizer(text, add_special_tokens=False).input_ids
+        return smol_tokenizer.convert_ids_to_tokens(stable_continuation_ids(smol_tokenizer, committed, text, suffix,
+                                                                            then))
+
+    # this tokenizer writes the space before a digit as a token of its own, and merges it
+    # with a quote, a bracket or a word
+    assert kept('{"n', '": ', "15") == ['":', "Ġ"]
+    assert kept('{"city', '": "', "aA") == ['":', 'Ġ"']
+    assert kept('{"tags', '": ["', "aA") == ['":', 'Ġ["']
+    assert kept('{"ok', '": ', "tf") == ['":']  # " true" is one token
+    assert kept('{"x', '": ', '"1[{tn') == ['":']  # anything may follow: the space waits for it
+    assert kept('{"x', '": ', "") == ['":']  # nothing said of what follows: a trailing space is dropped

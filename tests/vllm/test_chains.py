@@ -29,8 +29,8 @@ def drafted(drafter, tokens: list[int], k: int = 32) -> str:
 
 
 def test_the_response_starts_with_the_forecast_tools_call_up_to_its_first_value(drafter, smol_tokenizer):
-    # BM25 ranks get_weather first for a weather question
-    assert drafted(drafter, after(smol_tokenizer, "bm25", "")) == '<tool_call>\n{"name": "get_weather", "arguments": {"city":'
+    # BM25 ranks get_weather first for a weather question; its city is a string: its quote is structure
+    assert drafted(drafter, after(smol_tokenizer, "bm25", "")) == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
     assert len(drafter.draft(after(smol_tokenizer, "bm25", ""), 3)) == 3  # at most k
 
 
@@ -53,7 +53,7 @@ def test_a_value_is_copied_from_the_request_then_closed_and_the_structure_follow
 
 def test_a_chat_template_prompt_and_the_json_format(drafter, smol_tokenizer):
     tokens = after(smol_tokenizer, "bm25", "", style="chat", fmt=JSON)
-    assert drafted(drafter, tokens) == '{"tool_calls": [{"name": "get_weather", "arguments": {"city":'
+    assert drafted(drafter, tokens) == '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "'
 
 
 def test_a_response_gone_off_its_format_is_drafted_from_its_own_repetition(drafter, smol_tokenizer):

@@ -102,14 +102,46 @@ def test_auto_chooses_by_device_dtype_and_a_cached_probe(tmp_path, monkeypatch):
     saved = json.loads(entry.read_text())
     assert saved["eager_ms"] > 0 and saved["compiled_ms"] > 0 and "timed probe" in chosen.summary()["why"]
     assert chosen.name == ("compiled" if saved["compiled_ms"] <= compiled.MARGIN * saved["eager_ms"] else "eager")
+    first = compiled.Compiled(target, target.backend).rows
+    if chosen.name == "compiled":  # whole calls of more rows were timed, and cover what they won
+        assert "extents" in saved and chosen.rows == compiled.widest(first, saved["extents"])
     # the cached timings decide the next load, without timing again
     for compiled_ms, expected in ((0.5 * saved["eager_ms"], "compiled"), (2.0 * saved["eager_ms"], "eager")):
         entry.write_text(json.dumps({**saved, "compiled_ms": compiled_ms}))
         again = from_hf_model(model, backend="eager")
         assert compiled.choose(again, again.backend).name == expected
+    for extents, rows in (({"8": [100.0, 50.0], "16": [100.0, 120.0]}, max(first, 8)), ({"8": [100.0, 99.0]}, first)):
+        entry.write_text(json.dumps({**saved, "compiled_ms": 0.5 * saved["eager_ms"], "extents": extents}))
+        again = from_hf_model(model, backend="eager")
+        assert compiled.choose(again, again.backend).rows == rows
     if batch_invariant.possible(torch.bfloat16):
         bf16 = from_hf_model(hf_model("llama", seed=9).to(torch.bfloat16))
         assert bf16.backend.name == "batch_invariant"
+
+
+def test_compiled_calls_reach_as_many_rows_as_whole_calls_measured_faster():
+    assert compiled.widest(4, {}) == 4
+    assert compiled.widest(4, {"8": [100.0, 70.0], "16": [150.0, 149.0], "32": [200.0, 100.0]}) == 8  # 32 not reached
+    assert compiled.widest(4, {"16": [100.0, 50.0], "8": [100.0, 95.0]}) == 16  # in order of rows; at the margin wins
+    assert compiled.widest(4, {"8": [100.0, 96.0]}) == 4
+    assert compiled.widest(16, {"8": [100.0, 50.0]}) == 16  # never fewer than the first range
+
+
+def test_a_compiled_backend_reaching_more_rows_gives_eagers_logits():
+    target = from_hf_model(hf_model("llama", seed=8), backend="eager")
+    plain = target.backend
+    first = compiled.Compiled(target, plain)
+    if not first.covers(1):
+        pytest.skip("this host's one-row product is oneDNN's packed one: nothing runs compiled")
+    rows = first.rows + 8
+    wide = compiled.Compiled(target, plain, rows=rows)
+    assert wide.covers(rows) and not first.covers(rows) and not wide.covers(rows + 1)
+    tokens = torch.randint(0, target.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(rows)[None]
+    causal = torch.ones(1, rows, rows, dtype=torch.bool).tril()
+    out = [b.forward(tokens, positions, causal, positions, b.new_arena(1, rows)).logits for b in (plain, wide)]
+    torch.testing.assert_close(out[1], out[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
 
 
 def test_a_backend_the_host_cannot_run_is_named():

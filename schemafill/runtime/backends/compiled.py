@@ -12,8 +12,10 @@ the eager backend takes runs here too.
 
 Which calls: the decode loop's smallest, where a call's fixed overhead weighs most — the rows of
 the eager product plan's first range (one row, and few-row verifications), on that range's
-kernel, as long as it needs no packed weights (oneDNN's packed copies cannot be graph inputs).
-Bigger calls, where the products dominate, run on the eager backend. So a handful of small
+kernel, as long as it needs no packed weights (oneDNN's packed copies cannot be graph inputs),
+and beyond it as far as whole calls of more rows measure faster compiled (``EXTENTS``): a
+product plan is timed on products alone, and a verification of a few more rows than its first
+range can still be mostly the small ops around them. Bigger calls run on the eager backend. So a handful of small
 graphs serve every layer and every covered call (one row, and a few rows traced as a symbol), all
 compiled when the backend is built: no call compiles mid-decode.
 
@@ -40,6 +42,7 @@ from schemafill.runtime.timing import alternating_ms
 
 MARGIN = 0.95  # compiled is chosen where its calls take at most this share of eager's time
 PROBE_CONTEXT = 512  # committed positions the probe's calls attend to
+EXTENTS = (8, 16, 32)  # row counts a compiled call may reach past the first range, probed in turn
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
@@ -102,13 +105,16 @@ class Compiled:
 
     name = "compiled"
 
-    def __init__(self, target: Target, eager: Eager, why: str = "") -> None:
+    def __init__(self, target: Target, eager: Eager, why: str = "", rows: int | None = None) -> None:
         self.target, self.eager, self.why = target.fuse(), eager, why
         c = target.config
         self.heads, self.eps = (c.num_heads, c.num_kv_heads, c.head_dim), c.rms_norm_eps
-        # the calls it runs: the eager plan's first range, on its kernel (none where it is packed)
+        # the calls it runs: the eager plan's first range, on its kernel (none where it is packed),
+        # or up to ``rows`` on that kernel where a probe found whole calls of them faster here
         first = eager.products.plan[0] if eager.products is not None and eager.products.plan else (1, "plain")
         self.rows, self.kernel = (first[0], first[1]) if first[1] != "packed" else (0, "plain")
+        if rows is not None and self.rows:
+            self.rows = max(self.rows, rows)
         # a graph per row count first seen, then (a second count in the same kernel's range) rows
         # traced as a symbol: a handful of small graphs, whatever rows the loop sends
         self._in = torch.compile(attention_in)
@@ -244,8 +250,32 @@ def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
     calls = " + ".join(f"c({r})" for r in rows)
     measured = (f"timed probe{' (cached)' if cached else ''}: {calls} eager {saved['eager_ms']:.1f} ms, "
                 f"compiled {saved['compiled_ms']:.1f} ms")
-    if saved["compiled_ms"] <= MARGIN * saved["eager_ms"]:
-        compiled.why = f"auto: {measured}: compiled"
-        return compiled.warm()
-    eager.why = f"auto: {measured}: eager"
-    return eager
+    if saved["compiled_ms"] > MARGIN * saved["eager_ms"]:
+        eager.why = f"auto: {measured}: eager"
+        return eager
+    if "extents" not in saved:  # whole calls of more rows, until compiled stops winning
+        saved["extents"] = {}
+        for r in (r for r in EXTENTS if r > compiled.rows):
+            wider = Compiled(target, eager, rows=r)
+            probe(target, [eager, wider], (r,), repeats=1)
+            times = probe(target, [eager, wider], (r,), repeats=7)
+            saved["extents"][str(r)] = [round(t, 3) for t in times]
+            if times[1] > MARGIN * times[0]:
+                break
+        host_cache.write(path, key, saved, "the backend probe")
+    rows = widest(compiled.rows, saved["extents"])
+    wider = "".join(f", c({r}) {e:.1f} / {c:.1f} ms" for r, (e, c) in saved["extents"].items())
+    compiled = Compiled(target, eager, f"auto: {measured}: compiled, to {rows} rows (eager / compiled{wider})", rows)
+    return compiled.warm()
+
+
+def widest(first: int, extents: dict[str, list[float]]) -> int:
+    """The most rows a compiled call covers: ``first`` (the product plan's first range), then
+    each probed row count (``{"8": [eager_ms, compiled_ms]}``) while compiled takes at most
+    ``MARGIN`` of eager's time, the counts in order."""
+    rows = first
+    for r, (eager_ms, compiled_ms) in sorted(extents.items(), key=lambda item: int(item[0])):
+        if compiled_ms > MARGIN * eager_ms:
+            break
+        rows = max(rows, int(r))
+    return rows

@@ -256,16 +256,16 @@ def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
     if "extents" not in saved:  # whole calls of more rows, until compiled stops winning
         saved["extents"] = {}
         for r in (r for r in EXTENTS if r > compiled.rows):
-            wider = Compiled(target, eager, rows=r)
-            probe(target, [eager, wider], (r,), repeats=1)
-            times = probe(target, [eager, wider], (r,), repeats=7)
+            # the probe's warm-up call compiles what is not yet (rows are a symbol in its graphs)
+            times = probe(target, [eager, Compiled(target, eager, rows=r)], (r,), repeats=5)
             saved["extents"][str(r)] = [round(t, 3) for t in times]
             if times[1] > MARGIN * times[0]:
                 break
         host_cache.write(path, key, saved, "the backend probe")
-    rows = widest(compiled.rows, saved["extents"])
+    covered = widest(compiled.rows, saved["extents"])
     wider = "".join(f", c({r}) {e:.1f} / {c:.1f} ms" for r, (e, c) in saved["extents"].items())
-    compiled = Compiled(target, eager, f"auto: {measured}: compiled, to {rows} rows (eager / compiled{wider})", rows)
+    reach = f"{covered} row{'s' if covered > 1 else ''}"
+    compiled = Compiled(target, eager, f"auto: {measured}: compiled, to {reach} (eager / compiled{wider})", covered)
     return compiled.warm()
 
 

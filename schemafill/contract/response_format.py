@@ -409,21 +409,33 @@ def continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: st
     Only the response's last ``CONTINUATION_TAIL`` tokens are tokenised again with the suffix,
     where they come back as they were (merges do not reach further back): a round's packing
     costs its suffix, not the whole response; otherwise the whole text is."""
-    if not suffix:
-        return []
-    if len(committed) > CONTINUATION_TAIL:
+    return continuations(tokenizer, committed, text, [suffix], fmt)[0]
+
+
+def continuations(tokenizer: Any, committed: list[int], text: str, suffixes: list[str],
+                  fmt: ResponseFormat = JSON) -> list[list[int]]:
+    """``continuation_ids`` of each of ``suffixes``, the committed tail decoded once and every
+    suffix tokenised in one call."""
+    out: list[list[int] | None] = [[] if not suffix else None for suffix in suffixes]
+    todo = [i for i, o in enumerate(out) if o is None]
+    if todo and len(committed) > CONTINUATION_TAIL:
         tail_ids = committed[-CONTINUATION_TAIL:]
         tail = fmt.decode(tokenizer, tail_ids)
         if tail and not tail.endswith("\ufffd") and text.endswith(tail):
-            ids = tokenizer(tail + suffix, add_special_tokens=False).input_ids
-            if ids[:CONTINUATION_TAIL] == tail_ids and len(ids) > CONTINUATION_TAIL:
-                return ids[CONTINUATION_TAIL:]
-    if fmt.decode(tokenizer, committed) != text:
-        return []
-    full = tokenizer(text + suffix, add_special_tokens=False).input_ids
-    if full[: len(committed)] == committed and len(full) > len(committed):
-        return full[len(committed):]
-    return tokenizer(suffix, add_special_tokens=False).input_ids
+            batch = tokenizer([tail + suffixes[i] for i in todo], add_special_tokens=False).input_ids
+            for i, ids in zip(todo, batch):
+                if ids[:CONTINUATION_TAIL] == tail_ids and len(ids) > CONTINUATION_TAIL:
+                    out[i] = ids[CONTINUATION_TAIL:]
+            todo = [i for i in todo if out[i] is None]
+    if todo and fmt.decode(tokenizer, committed) != text:
+        return [o or [] for o in out]
+    for i in todo:
+        full = tokenizer(text + suffixes[i], add_special_tokens=False).input_ids
+        if full[: len(committed)] == committed and len(full) > len(committed):
+            out[i] = full[len(committed):]
+        else:
+            out[i] = tokenizer(suffixes[i], add_special_tokens=False).input_ids
+    return out
 
 
 def stable_continuation_ids(tokenizer: Any, committed: list[int], text: str, suffix: str, then: str = "",
@@ -435,13 +447,8 @@ def stable_continuation_ids(tokenizer: Any, committed: list[int], text: str, suf
     ``then``, a trailing space is dropped, as most tokenizers merge it with the word after."""
     if not then:
         return continuation_ids(tokenizer, committed, text, suffix.rstrip(" "), fmt)
-    ids = continuation_ids(tokenizer, committed, text, suffix, fmt)
-    for c in then:
-        if not ids:
-            break
-        longer = continuation_ids(tokenizer, committed, text, suffix + c, fmt)
-        n = 0
-        while n < len(ids) and n < len(longer) and ids[n] == longer[n]:
-            n += 1
-        ids = ids[:n]
-    return ids
+    ids, *longer = continuations(tokenizer, committed, text, [suffix] + [suffix + c for c in then], fmt)
+    n = len(ids)
+    for other in longer:
+        n = next((i for i, (a, b) in enumerate(zip(ids[:n], other)) if a != b), min(n, len(other)))
+    return ids[:n]

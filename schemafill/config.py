@@ -166,6 +166,7 @@ class DecodeConfig:
     copy_len: int = 4  # SchemaFill's MAIN chains copied from the prompt and the response (0 = off; beyond the paper)
     chain_head_depth: int = 0  # SchemaFill: the head tree's depth in rounds with a packed chain (0 = depth)
     guess_ends: bool = False  # SchemaFill's packer guesses where open values and the response end (beyond the paper)
+    value_guesses: int = 0  # SchemaFill chains through this many guesses of an unprepared value (0 = off; beyond the paper)
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
     # cost: each round verifies the candidates worth their measured cost on this hardware
@@ -191,6 +192,8 @@ class DecodeConfig:
             raise ValueError(f"decode.select must be one of {SELECT_MODES}, got {self.select!r}")
         if self.host_ms is not None and self.host_ms < 0:
             raise ValueError(f"decode.host_ms must be null (measured) or >= 0, got {self.host_ms}")
+        if self.value_guesses < 0:
+            raise ValueError(f"decode.value_guesses must be 0 (off) or more, got {self.value_guesses}")
         if self.chain_head_depth < 0:
             raise ValueError(f"decode.chain_head_depth must be 0 (the tree's depth) or more, "
                              f"got {self.chain_head_depth}")

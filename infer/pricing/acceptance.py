@@ -31,6 +31,12 @@ PRIORS = {"pack_bridge": 0.9, "side_bridge": 0.9, "pack_open": 0.8, "side_value"
           # a guessed end of an open value: MAIN's own (any token may be its last), a SIDE
           # branch's unclosed value (the branch may be about to close it)
           "pack_close_string": 0.2, "pack_close_number": 0.4, "side_close_string": 0.4, "side_close_number": 0.5,
+          # a guessed value by its rank (slots/guesses.py) and its end (the value may go on); a
+          # string copied from the request closed where the request's word ends, or after one,
+          # two, three more words
+          "guess1": 0.4, "guess2": 0.2, "guess3": 0.1, **{f"guess{r}_end": 0.7 for r in (1, 2, 3)},
+          **{f"word{w}": 0.6 for w in (1, 2, 3)}, "word0_end": 0.4, "word1_end": 0.3, "word2_end": 0.2,
+          "word3_end": 0.15,
           # a copy by how many tokens before it agree with the committed text (decoders/slot_parallel.py)
           **{f"{kind}{m}": q for kind in ("copy_prompt", "copy_value", "copy_response", "copy_other", "copy_text")
              for m, q in ((1, 0.2), (2, 0.3), (4, 0.5), (8, 0.7), (16, 0.8))}}

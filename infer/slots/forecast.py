@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 
+from infer.slots.guesses import schema_choices
 from infer.slots.packer import CallPlan
 from schemafill.contract.toolcall import ToolRequest
 
@@ -85,8 +86,9 @@ def value_kind(spec: object) -> str:
 
 
 def call_plan(fn: dict) -> CallPlan:
-    """The plan of one call of ``fn``: its predicted keys, its schema's keys and their kinds of
-    value, nothing prepared."""
+    """The plan of one call of ``fn``: its predicted keys, its schema's keys, their kinds of
+    value and the literals a value is one of (an enum's, a boolean's), nothing prepared."""
     props = (fn.get("parameters") or {}).get("properties") or {}
     kinds = {k: kind for k, spec in props.items() if (kind := value_kind(spec))}
-    return CallPlan(fn["name"], tuple(predicted_keys(fn)), tuple(props), {}, kinds)
+    choices = {k: literals for k, spec in props.items() if (literals := schema_choices(spec))}
+    return CallPlan(fn["name"], tuple(predicted_keys(fn)), tuple(props), {}, kinds, choices)

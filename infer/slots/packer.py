@@ -60,10 +60,13 @@ class CallPlan:
     schema_keys: tuple[str, ...] = ()  # every key of the tool's schema, in order
     values: dict[str, str] = field(default_factory=dict)  # key -> prepared value literal
     types: dict[str, str] = field(default_factory=dict)  # key -> the schema's kind of value (``OPENINGS``)
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> the literals its schema allows
 
 
 # what each piece of a proposal is, for the acceptance estimates (infer/pricing/acceptance.py)
 BRIDGE, VALUE, PROVISIONAL = "bridge", "value", "provisional"
+GUESS = "guess"  # a value nobody prepared, guessed from the schema or the request (``guesses.py``)
+GUESS_END = "guess_end"  # a guessed value's end: a string's quote, what follows a number
 CLOSE_STRING, CLOSE_NUMBER = "close_string", "close_number"  # the guessed end of an open value
 CLOSES = (CLOSE_STRING, CLOSE_NUMBER)
 # where a call ends, another may follow (NEXT: the bridge to it) or the response may end (END:
@@ -71,9 +74,8 @@ CLOSES = (CLOSE_STRING, CLOSE_NUMBER)
 NEXT, END = "next", "end"
 OPEN = "open"  # the start of an unknown value its schema's type fixes: structure the plan may get wrong
 STRUCTURE = (BRIDGE, NEXT, END, OPEN) + CLOSES  # what the packer writes itself: no SIDE branch needed
-# (text, kind); text None where a value is unknown, and its kind then the characters the value
-# may start with ("" where they are not worth saying: a provisional value goes on in a word)
-Piece = tuple[str | None, str]
+# (text, kind); text None where a value is unknown, and its kind then a ``Stop``
+Piece = tuple[str | None, "str | Stop"]
 
 # what a value of each kind of schema starts with, and the characters that may follow that
 # start: a string's quote, then a letter; a number's digit; an array of strings' '["', ...
@@ -90,13 +92,23 @@ def value_start(kind: str) -> tuple[str, str]:
     return OPENINGS.get(kind, ("", ANY_VALUE))
 
 
+class Stop(NamedTuple):
+    """Where a proposal stops: before the value of ``slot`` (call, key) nobody has prepared,
+    which may start with the characters ``then`` ("" where they are not worth saying: a
+    provisional value goes on in a word)."""
+
+    then: str
+    slot: tuple[int, str]
+
+
 class Packed(NamedTuple):
-    """A proposal: its text, each character's kind, and the characters the unknown value after
-    it may start with ("" where the text ends otherwise)."""
+    """A proposal: its text, each character's kind, the characters the unknown value after
+    it may start with ("" where the text ends otherwise), and that value's (call, key)."""
 
     text: str
     kinds: list[str]
     then: str = ""
+    slot: tuple[int, str] | None = None
 
 
 def closing(literal: str) -> Piece | None:
@@ -111,13 +123,14 @@ def closing(literal: str) -> Piece | None:
     return None
 
 
-def _call_pieces(fmt: ResponseFormat, tool: str, fields: list[tuple[str, str | None]],
+def _call_pieces(fmt: ResponseFormat, call: int, tool: str, fields: list[tuple[str, str | None]],
                  provisional: dict[str, str] | None = None, close: bool = False,
-                 types: dict[str, str] | None = None) -> list[Piece]:
-    """Text pieces of one call in ``fmt``'s key order (its name before or after its
-    arguments); None where a value is unknown (the proposal stops there, after the value's
-    provisional prefix if it has one, or, with ``close``, goes on as if the value ended there;
-    else after the start its kind in ``types`` fixes)."""
+                 types: dict[str, str] | None = None, guessed: dict[str, str] | None = None) -> list[Piece]:
+    """Text pieces of call ``call`` in ``fmt``'s key order (its name before or after its
+    arguments); a ``Stop`` where a value is unknown (the proposal stops there, after the
+    value's provisional prefix if it has one, or, with ``close``, goes on as if the value ended
+    there; else after the start its kind in ``types`` fixes). A ``guessed`` value is written
+    as if prepared."""
     out: list[Piece] = [(fmt.call_header(tool), BRIDGE)]
     for i, (key, value) in enumerate(fields):
         out.append(((FIELD_BRIDGE if i else "") + dumps(key) + ": ", BRIDGE))
@@ -127,36 +140,42 @@ def _call_pieces(fmt: ResponseFormat, tool: str, fields: list[tuple[str, str | N
             if end is not None:
                 out.append(end)
                 continue
-            out.append((None, ""))
+            out.append((None, Stop("", (call, key))))
+            continue
+        if value is None and guessed and key in guessed:
+            literal = guessed[key]
+            # where a guess is likeliest wrong: a string's closing quote, what follows a number
+            out += [(literal[:-1], GUESS), ('"', GUESS_END)] if literal[:1] == '"' and len(literal) > 1 else \
+                [(literal, GUESS), ("", GUESS_END)]
             continue
         if value is None:
             opening, then = value_start((types or {}).get(key, ""))
             if opening:
                 out.append((opening, OPEN))
-            out.append((None, then))
+            out.append((None, Stop(then, (call, key))))
             continue
         out.append((value, VALUE))
     out.append((fmt.call_close(tool), BRIDGE))
     return out
 
 
-def _plan_pieces(fmt: ResponseFormat, plan: CallPlan, provisional: dict[str, str] | None,
-                 close: bool = False) -> list[Piece]:
-    return _call_pieces(fmt, plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional, close,
-                        plan.types)
+def _plan_pieces(fmt: ResponseFormat, call: int, plan: CallPlan, provisional: dict[str, str] | None,
+                 close: bool = False, guessed: dict[str, str] | None = None) -> list[Piece]:
+    return _call_pieces(fmt, call, plan.tool, [(k, plan.values.get(k)) for k in plan.keys], provisional, close,
+                        plan.types, guessed)
 
 
 def _join(pieces: list[Piece]) -> Packed:
     """The text up to the first unknown piece, the kind of each of its characters (an empty
-    closing piece — a number's end — tags the character after it), and what the unknown piece
-    may start with."""
+    closing piece — a number's end, a guessed value's — tags the character after it), what the
+    unknown piece may start with, and whose value it is."""
     text: list[str] = []
     kinds: list[str] = []
     carry = None
     for p, kind in pieces:
         if p is None:
-            return Packed("".join(text), kinds, kind)
-        if kind in CLOSES and not p:
+            return Packed("".join(text), kinds, kind.then, kind.slot)
+        if kind in CLOSES + (GUESS_END,) and not p:
             carry = kind
             continue
         text.append(p)
@@ -211,14 +230,20 @@ def propose(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bo
 
 def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_calls: bool = True,
                    provisional: dict[tuple[int, str], str] | None = None, fmt: ResponseFormat = JSON,
-                   close: bool = False) -> Packed:
+                   close: bool = False, guessed: dict[tuple[int, str], str] | None = None) -> Packed:
     """``propose``, with the kind of each character — a structural bridge (call header, keys,
     separators, closings), a value's schema-fixed start, a prepared value, a provisional value
-    still being prepared, or (``close``) the guessed end of an open value — and what the
-    unknown value after it may start with."""
+    still being prepared, a guessed value, or (``close``) the guessed end of an open value —
+    and what the unknown value after it may start with, and whose value that is.
+
+    ``guessed``: values, keyed by (call, key), written as if prepared (``guesses.py``); the
+    value MAIN is writing is guessed only by a literal that starts with what it wrote."""
     ahead: dict[int, dict[str, str]] = {}  # call -> key -> unclosed value prefix
     for (j, key), prefix in (provisional or {}).items():
         ahead.setdefault(j, {})[key] = prefix
+    guesses: dict[int, dict[str, str]] = {}  # call -> key -> guessed literal
+    for (j, key), literal in (guessed or {}).items():
+        guesses.setdefault(j, {})[key] = literal
     if state.closed or state.error is not None:
         return Packed("", [])
     if state.call_index is not None:  # inside call j: rebuild it from its "{"
@@ -230,57 +255,62 @@ def propose_tagged(text: str, state: ParseState, plans: list[CallPlan], cross_ca
         fields = _current_fields(text, state, plan)
         if fields is None:
             return Packed("", [])
-        if close and state.in_value and state.field is not None and dict(fields).get(state.field) is None:
-            # nothing prepared matches the value MAIN is writing: unless a provisional value
-            # runs on from it, guess that MAIN's own ends here
-            partial = text[state.value_start:]
-            if not ahead.get(j, {}).get(state.field, "").startswith(partial):
+        if state.in_value and state.field is not None and dict(fields).get(state.field) is None:
+            partial, mine = text[state.value_start:], guesses.get(j, {})
+            if not mine.get(state.field, "").startswith(partial):
+                mine.pop(state.field, None)
+            if state.field not in mine and close and not ahead.get(j, {}).get(state.field, "").startswith(partial):
+                # nothing prepared or guessed matches the value MAIN is writing: unless a
+                # provisional value runs on from it, guess that MAIN's own ends here
                 ahead.setdefault(j, {})[state.field] = partial
         # a provisional value MAIN has already run past proposes nothing (no prefix match)
         base, nxt = text[:state.call_start], j + 1
-        found = _extend(text, base, _call_pieces(fmt, tool, fields, ahead.get(j), close, plan.types), nxt, plans,
-                        ahead, cross_calls, fmt, close)
+        found = _extend(text, base, _call_pieces(fmt, j, tool, fields, ahead.get(j), close, plan.types, guesses.get(j)),
+                        nxt, plans, ahead, cross_calls, fmt, close, guesses)
         if found is None:
             # MAIN closed (or is closing) the arguments before the predicted keys: its
             # realized fields, then the call's close (args-first formats: the name) and what follows
             realized = list(_realized(text, state))
             if realized != fields:
-                found = _extend(text, base, _call_pieces(fmt, tool, realized, ahead.get(j), close, plan.types), nxt,
-                                plans, ahead, cross_calls, fmt, close)
+                found = _extend(text, base, _call_pieces(fmt, j, tool, realized, ahead.get(j), close, plan.types,
+                                                         guesses.get(j)), nxt, plans, ahead, cross_calls, fmt, close,
+                                guesses)
         return found or Packed("", [])
     if state.calls_started:  # between calls: after the "}" of the last one
         base, pieces, nxt = text[:state.last_call_end], [], state.calls_started
     else:  # no call yet
         base, pieces, nxt = "", [(fmt.header, BRIDGE)], 0
         if nxt < len(plans):
-            pieces += _plan_pieces(fmt, plans[0], ahead.get(0), close)
+            pieces += _plan_pieces(fmt, 0, plans[0], ahead.get(0), close, guesses.get(0))
             nxt = 1
-    return _extend(text, base, pieces, nxt, plans, ahead, cross_calls, fmt, close) or Packed("", [])
+    return _extend(text, base, pieces, nxt, plans, ahead, cross_calls, fmt, close, guesses) or Packed("", [])
 
 
 def _extend(text: str, base: str, pieces: list[Piece], nxt: int, plans: list[CallPlan],
-            ahead: dict[int, dict[str, str]], cross_calls: bool, fmt: ResponseFormat, close: bool = False
-            ) -> Packed | None:
+            ahead: dict[int, dict[str, str]], cross_calls: bool, fmt: ResponseFormat, close: bool = False,
+            guesses: dict[int, dict[str, str]] | None = None) -> Packed | None:
     """``base`` + ``pieces`` (then, across calls, the plans from ``nxt`` on and the closing)
     past ``text``, with each character's kind; None when that text does not extend ``text``."""
     if cross_calls or not pieces or pieces == [(fmt.header, BRIDGE)]:
         pieces = list(pieces)
         for j in range(nxt, len(plans)):
-            pieces += [(fmt.call_bridge, NEXT)] + _plan_pieces(fmt, plans[j], ahead.get(j), close)
+            pieces += [(fmt.call_bridge, NEXT)] + _plan_pieces(fmt, j, plans[j], ahead.get(j), close,
+                                                               (guesses or {}).get(j))
         pieces.append((fmt.close, END if nxt else BRIDGE))
-    joined, kinds, then = _join(pieces)
+    joined, kinds, then, slot = _join(pieces)
     predicted = base + joined
     if not predicted.startswith(text):
         return None
     kinds = [BRIDGE] * len(base) + kinds
-    return Packed(predicted[len(text):], kinds[len(text):], then)
+    return Packed(predicted[len(text):], kinds[len(text):], then, slot)
 
 
 def token_kinds(tokenizer: Any, committed: list[int], text: str, suffix: str, kinds: list[str],
                 ids: list[int], fmt: ResponseFormat = JSON) -> list[str]:
     """The kind of each token of ``ids`` (``continuation_ids`` of ``suffix``): the riskiest kind
     among the characters it covers (provisional over value over bridge)."""
-    rank = {BRIDGE: 0, NEXT: 1, END: 1, OPEN: 1, VALUE: 2, PROVISIONAL: 3, CLOSE_STRING: 4, CLOSE_NUMBER: 4}
+    rank = {BRIDGE: 0, NEXT: 1, END: 1, OPEN: 1, VALUE: 2, PROVISIONAL: 3, GUESS: 3, CLOSE_STRING: 4, CLOSE_NUMBER: 4,
+            GUESS_END: 4}
     # character offsets from a short tail of the committed tokens: decoding the whole response
     # per token would cost more than the tags are worth (a tag only steers the estimates)
     tail = committed[-4:]

@@ -75,12 +75,15 @@ from infer.rounds.share import ALONE, Offer, Share
 from infer.rounds.tree import ROOT, chain, merge
 from infer.slots.align import current_call, rebind, rebind_by_keys, written_keys
 from infer.slots.forecast import call_plan, forecast_groups, rank_tools
-from infer.slots.packer import CLOSES, NEXT, STRUCTURE, CallPlan, propose_tagged, token_kinds, value_start
+from infer.slots.guesses import request_numbers, value_guesses
+from infer.slots.packer import (CLOSES, GUESS, GUESS_END, NEXT, PROVISIONAL, VALUE, CallPlan, propose_tagged,
+                                token_kinds, value_start)
 from infer.slots.side import SideBranches, SideContexts
 from schemafill.config import ABLATIONS, DecodeConfig
 from schemafill.contract.response_format import ResponseFormat, continuation_ids, stable_continuation_ids
 from schemafill.contract.toolcall import ToolRequest
 
+WORD_ENDS = frozenset(" ,.;:!?)")  # where a value copied from prose may end
 SIDE_DRAFT = "side_draft:1"  # the head's draft after a SIDE branch's pending token
 SIDE_CHAIN = "side_"  # packed-chain sources from a SIDE value on (pricing/acceptance.py)
 
@@ -106,6 +109,7 @@ class SchemaFillConfig:
     side_optional: bool = True  # branches for the schema keys the forecast did not predict, last
     copy_len: int = 4  # MAIN chains copied from the prompt and from the response, at most this long; 0 = off
     guess_ends: bool = False  # the packer guesses where an open value, and the response, end
+    value_guesses: int = 0  # chains through this many guesses of an unprepared value (``guesses.py``); 0 = off
     max_branches: int = 8
     max_value_tokens: int = 48
     max_chain: int = 48
@@ -142,8 +146,10 @@ class SchemaFillConfig:
         return self.max_branches * (64 + self.max_value_tokens) if self.sides else 0
 
     @property
-    def scratch(self) -> int:  # MAIN tree rows: the head's, two packed chains, three token and two text copies
-        return self.budget.total + 2 * self.max_chain + 5 * self.copy_len
+    def scratch(self) -> int:
+        # MAIN tree rows: the head's; the packer's chain, its ending, and its guesses (of the
+        # value MAIN writes, of the next, of where MAIN's string ends); three token and two text copies
+        return self.budget.total + (2 + 3 * self.value_guesses) * self.max_chain + 5 * self.copy_len
 
 
 @dataclass
@@ -180,6 +186,9 @@ class SlotDrafting(Drafting):
             cfg, drafter, ledger, tokenizer, eos, fmt
         self.request, self.prompt, self.groups, self.values = request, prompt, groups, values
         self.prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)  # what text copies read
+        # what a number value is guessed from: the conversation's numbers, not the catalog's
+        self.numbers = request_numbers("\n".join(m["content"] for m in request.messages
+                                                 if isinstance(m.get("content"), str)))
         self.scratch, self.side_capacity = cfg.scratch, cfg.side_capacity
         self.functions = {fn["name"]: fn for fn in request.slot_functions}
         self.plans: list[CallPlan] = []
@@ -204,10 +213,15 @@ class SlotDrafting(Drafting):
         texts = [self._first_text(p) for p in self.plans]  # name-last formats: one text for tools alike
         candidates = [chain(stable_continuation_ids(self.tokenizer, [], "", text, then, self.fmt)[: self.cfg.max_chain])
                       for text, then in dict.fromkeys(texts)]
-        tree = merge(candidates) if candidates else ([], [])
+        tree = Candidates.tree(*(merge(candidates) if candidates else ([], [])), "init")
+        state = s.stop.parser.state
+        guessed = [chain for plan in {p.tool: p for p in self.plans if p.keys}.values()
+                   for chain in self._guessed(s, "", state, [plan], None, (0, plan.keys[0]))]
+        if guessed:
+            tree = Candidates.merged([tree, *guessed], self.budget.stats.rate)
         extra, owners = self.side.open_first(self.plans) if self._sides_pay() else ([], [])
         self.ledger.rows += sum(len(seg.tokens) for seg in extra)  # SIDE rows too: what SIDE branches cost
-        return Proposal(Candidates.tree(*tree, "init"), extra, owners)
+        return Proposal(tree, extra, owners)
 
     def _first_text(self, plan: CallPlan) -> tuple[str, str]:
         """A first call of ``plan``'s tool up to its first value's start (the schema's quote or
@@ -341,7 +355,7 @@ class SlotDrafting(Drafting):
     def _main_tree(self, s: MainSession, text: str, state: Any) -> Generator[Any, Any, Candidates]:
         """The head's draft tree, merged with prompt-lookup copies and the packer's chain."""
         cfg, plans = self.cfg, self.plans
-        parts = []
+        parts, copies = [], []
         if cfg.copy_len and cfg.forecasts:
             # values are mostly copied from the request, and a response repeats itself
             for source, kind, own in ((self.prompt, "copy_value" if state.in_value else "copy_prompt", False),
@@ -353,20 +367,26 @@ class SlotDrafting(Drafting):
                     parts.append(Candidates.chain(copied, copy_source(kind if not rank else "copy_other", matched)))
             if state.literal is not None:  # the open value by its text: it follows a quote, the prose a space
                 kind, written = state.literal
-                for copied, matched in text_copies(written, self.prompt_text, kind, length=4 * cfg.copy_len):
+                copies = text_copies(written, self.prompt_text, kind, length=4 * cfg.copy_len)
+                for copied, matched in copies:
                     ids = continuation_ids(self.tokenizer, s.response, text, copied, self.fmt)[: cfg.copy_len]
                     parts.append(Candidates.chain(ids, copy_source("copy_text", matched)))
         certain = False
         if plans:
             ahead = self.side.provisional(plans) if cfg.pack_provisional else None
-            packed, kinds = self._packed(s, text, state, plans, ahead)
+            packed, kinds, slot = self._packed(s, text, state, plans, ahead)
             if kinds:
                 parts.append(packed)
                 certain = kinds[0] not in CLOSES
                 if cfg.guess_ends and state.calls_started and NEXT in kinds:
                     # the chain goes on to a next call: the response may end after this one instead
-                    ending, ends = self._packed(s, text, state, plans[:state.calls_started], ahead)
+                    ending, ends, _ = self._packed(s, text, state, plans[:state.calls_started], ahead)
                     parts += [ending] if ends else []
+            writing = (state.call_index, state.field) if state.in_value and state.field is not None else None
+            for guessed in dict.fromkeys((writing, slot)):  # the value MAIN writes may go on as a guess
+                parts += self._guessed(s, text, state, plans, ahead, guessed)
+            if writing and state.value_type == "string" and copies:
+                parts += self._word_ends(s, text, state, plans, ahead, writing, copies[0][0])
         # beside a packed chain the head's deeper levels are rarely taken, and each costs a
         # head forward every round: there it may draft fewer levels (its catch-up runs either
         # way); a chain that starts by guessing MAIN's value ends here does not count
@@ -376,18 +396,62 @@ class SlotDrafting(Drafting):
                                  self.budget.stats.rate)
 
     def _packed(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
-                ahead: dict[tuple[int, str], str] | None) -> tuple[Candidates, list[str]]:
+                ahead: dict[tuple[int, str], str] | None, guessed: tuple[tuple[int, str], str, int] | None = None
+                ) -> tuple[Candidates, list[str], tuple[int, str] | None]:
         """The packer's chain after MAIN's committed text, tokenised as the whole response
-        would be, and each token's kind (its source tags them); no kinds when the packer has nothing."""
+        would be, each token's kind (its source tags them; no kinds when the packer has
+        nothing), and the (call, key) of the unprepared value it stops before. ``guessed``:
+        (slot, literal, rank), a guess of that value the chain runs through."""
         cfg = self.cfg
-        suffix, kinds, then = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
-                                             fmt=self.fmt, close=cfg.guess_ends)
+        suffix, kinds, then, slot = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
+                                                   fmt=self.fmt, close=cfg.guess_ends,
+                                                   guessed={guessed[0]: guessed[1]} if guessed else None)
         packed = stable_continuation_ids(self.tokenizer, s.response, text, suffix, then, self.fmt)[: cfg.max_chain]
         if not packed:
-            return Candidates(), []
+            return Candidates(), [], slot
         kinds = token_kinds(self.tokenizer, s.response, text, suffix, kinds[:len(suffix)], packed, self.fmt)
-        # from the first value on, the chain exists only because a SIDE branch prepared it
-        # (the structure, and the guessed end of MAIN's own value, are the packer's)
-        first = next((i for i, k in enumerate(kinds) if k not in STRUCTURE), len(kinds))
-        return Candidates.tagged_chain(packed, [f"{'side' if i >= first else 'pack'}_{k}"
-                                                for i, k in enumerate(kinds)]), kinds
+        # from the first prepared value on, the chain exists only because a SIDE branch prepared
+        # it (the structure, the guessed end of MAIN's own value and a guessed value are not)
+        first = next((i for i, k in enumerate(kinds) if k in (VALUE, PROVISIONAL)), len(kinds))
+        tags = [guessed[2] if k == GUESS else f"{guessed[2]}_end" if k == GUESS_END else
+                f"{'side' if i >= first else 'pack'}_{k}" for i, k in enumerate(kinds)]
+        return Candidates.tagged_chain(packed, tags), kinds, slot
+
+    def _guessed(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
+                 ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str] | None) -> list[Candidates]:
+        """Chains through the likeliest literals of ``slot``'s value (``guesses.py``: the schema's
+        choices, the request's numbers), each tagged by its rank so that how often each rank
+        holds is learnt; none where a SIDE branch is preparing it (its text is the better guess)."""
+        if not self.cfg.value_guesses or slot is None or slot[0] is None or slot[0] >= len(plans) or \
+                (ahead and slot in ahead):
+            return []
+        plan, key = plans[slot[0]], slot[1]
+        partial = text[state.value_start:] if state.in_value and (state.call_index, state.field) == slot else ""
+        literals = value_guesses(plan.types.get(key, ""), plan.choices.get(key, ()), self.numbers,
+                                 text[:len(text) - len(partial)], self.cfg.value_guesses, partial)
+        return self._through(s, text, state, plans, ahead, slot, literals, "guess")
+
+    def _word_ends(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
+                   ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str], copied: str) -> list[Candidates]:
+        """The string MAIN is writing, closed where its text copy (``copied``) ends a word: now,
+        if the request's word ends here, then after each next word, up to ``value_guesses``
+        ends. A value copied from the request ends where a word does, and the round that
+        writes its last word otherwise ends there, one token short of the structure after it."""
+        if not self.cfg.value_guesses or (ahead and slot in ahead):
+            return []
+        partial = text[state.value_start:]
+        ends = [i for i in range(len(copied)) if copied[i] in WORD_ENDS and (not i or copied[i - 1] not in WORD_ENDS)]
+        ends = (ends + [len(copied)])[: self.cfg.value_guesses]
+        literals = {f"word{words + bool(ends[0])}": partial + copied[:i] + '"'
+                    for words, i in enumerate(ends) if "\\" not in copied[:i]}
+        return [chain for tag, literal in literals.items()
+                for chain in self._through(s, text, state, plans, ahead, slot, [literal], tag, ranked=False)]
+
+    def _through(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
+                 ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str], literals: list[str],
+                 kind: str, ranked: bool = True) -> list[Candidates]:
+        """The packer's chains through each of ``literals`` as ``slot``'s value, tagged ``kind``
+        and (``ranked``) its rank: what each rank's guesses hold is learnt apart."""
+        chains = [self._packed(s, text, state, plans, ahead, (slot, literal, f"{kind}{rank}" if ranked else kind))[0]
+                  for rank, literal in enumerate(literals, 1)]
+        return [c for c in chains if len(c)]

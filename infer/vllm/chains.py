@@ -207,7 +207,7 @@ class ChainDrafter:
             if call.name is not None:
                 rebind(plans, j, call.name, prompt.functions)
         provisional = None if value is None else {(current_call(state), state.field): value}
-        suffix, _, then = propose_tagged(text, state, plans, provisional=provisional, fmt=prompt.fmt,
+        suffix, _, then, _ = propose_tagged(text, state, plans, provisional=provisional, fmt=prompt.fmt,
                                          close=value is not None)
         return stable_continuation_ids(self.tokenizer, response, text, suffix, then, prompt.fmt)
 

@@ -125,7 +125,9 @@ def test_cost_aware_selection_is_the_default_and_the_paper_keeps_its_fixed_budge
     assert (default.copy_len, paper.copy_len) == (64, 4)
     # ... and the packer guesses where values and the response end (the paper's does not)
     assert (default.guess_ends, paper.guess_ends) == (True, False)
-    differ = ("select", "depth", "total_tokens", "chain_head_depth", "copy_len", "guess_ends")
+    # ... and values nobody prepared (the paper's leaves them to SIDE branches and the head)
+    assert (default.value_guesses, paper.value_guesses) == (3, 0)
+    differ = ("select", "depth", "total_tokens", "chain_head_depth", "copy_len", "guess_ends", "value_guesses")
     assert {k: v for k, v in vars(default).items() if k not in differ} == \
         {k: v for k, v in vars(paper).items() if k not in differ}
     with pytest.raises(Exception, match="decode.select must be one of"):
@@ -137,6 +139,8 @@ def test_bad_decode_values_are_named():
         to_dataclass(compose(["decode.constrain=always", "logger=none"]))
     with pytest.raises(Exception, match="decode.ablation must be one of"):
         to_dataclass(compose(["decode.ablation=E", "logger=none"]))
+    with pytest.raises(Exception, match="decode.value_guesses must be 0 .off. or more, got -1"):
+        to_dataclass(compose(["decode.value_guesses=-1", "logger=none"]))
 
 
 def test_the_response_format_is_named_and_each_real_target_answers_in_its_own():

@@ -117,3 +117,34 @@ def test_values_are_copied_from_the_request_by_their_text(base_target):  # noqa:
     assert out.ids == ar.ids
     copied = sum(n for source, n in budget.stats.accepted.items() if source.startswith("copy_text"))
     assert copied >= 4, budget.stats.table()
+
+
+def test_values_guessed_from_the_request_are_lossless_and_save_calls(base_target):  # noqa: F811
+    """Numbers the request holds, guessed at a number value's start, and strings copied from
+    the request closed where their words end: the chains through them run on to the next
+    value, so the rounds that write a value's first digit or last word do not end there."""
+    target, tok, eos = base_target
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "nights": {"type": "integer"},
+                                               "guests": {"type": "integer"}}, "required": ["city", "nights", "guests"]}
+    req = structured("Book a hotel in Springfield for 3 nights and 2 guests: city, nights, guests.", schema)
+    grammars = SchemaGrammars(tok, target.config.vocab_size, JSON, eos)
+    fmt = req.response_format(JSON)
+    ids = prompt_ids(req, "plain", tok)
+
+    def constraint():
+        return grammars.constraint(req.slot_functions, True, fmt=fmt)
+
+    ar = decode_ar(target, tok, ids, 48, eos, constraint=constraint(), fmt=fmt)
+    assert '"Springfield"' in ar.text and ": 3" in ar.text, ar.text  # the values it copies
+    calls, accepted = {}, {}
+    for guesses in (0, 3):
+        budget = NodeBudget()  # every drafted node verified: the guesses' chains are what differs
+        sf = slot_parallel.declare(Runtime(target, tok, eos, 48), random_head(target),
+                                   SchemaFillConfig(budget=SCHEMAFILL_BUDGET, ablation="B", value_guesses=guesses),
+                                   budget)
+        out = sf.decode(req, ids, DecodeOptions(constraint=constraint()))
+        assert out.ids == ar.ids, (guesses, out.text, ar.text)
+        calls[guesses] = out.target_calls
+        accepted[guesses] = {s.split(":")[0] for s, n in budget.stats.accepted.items() if n}
+    assert {"guess1", "guess1_end"} <= accepted[3] and not any(s.startswith("guess") for s in accepted[0])
+    assert calls[3] < calls[0], calls

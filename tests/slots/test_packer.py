@@ -109,10 +109,10 @@ def test_each_proposed_character_and_token_knows_what_it_is(smol_tokenizer):
     from schemafill.contract.response_format import continuation_ids
 
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa'
-    suffix, kinds, _ = propose_tagged(text, parse_prefix(text), [WEATHER], provisional={(0, "days"): "3"})
+    suffix, kinds, *_ = propose_tagged(text, parse_prefix(text), [WEATHER], provisional={(0, "days"): "3"})
     assert suffix == 'ris", "unit": "C"}}]}' and len(kinds) == len(suffix)
     assert "".join("v" if k == VALUE else "b" for k in kinds) == "vvvvbbbbbbbbbbvvvbbbb"
-    _, kinds, _ = propose_tagged('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da',
+    _, kinds, *_ = propose_tagged('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da',
                               parse_prefix('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Rome", "da'),
                               [WEATHER], provisional={(0, "days"): "3"})
     assert kinds[-1] == PROVISIONAL and set(kinds[:-1]) == {BRIDGE}
@@ -177,18 +177,18 @@ def test_guessed_ends_close_mains_value_and_provisional_ones_and_go_on():
     head = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": '
     # MAIN's own string, nothing prepared: without the guess nothing is proposed
     assert p(head + '"Lo', plans) == ""
-    suffix, kinds, _ = propose_tagged(head + '"Lo', parse_prefix(head + '"Lo'), plans, close=True)
+    suffix, kinds, *_ = propose_tagged(head + '"Lo', parse_prefix(head + '"Lo'), plans, close=True)
     assert suffix == '", "days": ' and kinds[0] == CLOSE_STRING and set(kinds[1:]) == {"bridge"}
     # a number: its end is the structure after it, whose first character carries the guess
     text = head + '"Lo", "days": 3'
-    suffix, kinds, _ = propose_tagged(text, parse_prefix(text), plans, close=True)
+    suffix, kinds, *_ = propose_tagged(text, parse_prefix(text), plans, close=True)
     assert suffix == '}}, {"name": "get_time", "arguments": {"tz": ' and kinds[0] == CLOSE_NUMBER
     assert kinds[2:4] == [NEXT, NEXT] and kinds[-1] == "bridge"
     # provisional values are closed where they stop, and the chain runs on to the next unknown
     ahead = {(0, "days"): "1", (1, "tz"): '"UT'}
     text = head + '"London"'
     assert p(text, plans, provisional=ahead) == ', "days": 1'
-    suffix, kinds, _ = propose_tagged(text, parse_prefix(text), plans, provisional=ahead, close=True)
+    suffix, kinds, *_ = propose_tagged(text, parse_prefix(text), plans, provisional=ahead, close=True)
     assert suffix == ', "days": 1}}, {"name": "get_time", "arguments": {"tz": "UT"}}]}'
     tags = dict(bridge="b", next="n", end="e", provisional="p", close_number="c", close_string="c")
     header = '{"name": "get_time", "arguments": {"tz": '
@@ -233,7 +233,7 @@ def test_a_value_nobody_prepared_starts_as_its_schema_says():
     assert p(head + '"n": 3, "city": "Ro', [plan]) == ""
     # a plan without kinds (a schema that says none) stops before the value, as any value may follow
     bare = CallPlan("book", plan.keys, plan.schema_keys, {})
-    assert propose_tagged(head + '"n', parse_prefix(head + '"n'), [bare]) == ('": ', ["bridge"] * 3, ANY_VALUE)
+    assert propose_tagged(head + '"n', parse_prefix(head + '"n'), [bare]) == ('": ', ["bridge"] * 3, ANY_VALUE, (0, "n"))
 
 
 def test_the_tokens_kept_before_an_unknown_value_are_the_ones_it_cannot_merge_with(smol_tokenizer):
@@ -252,3 +252,35 @@ def test_the_tokens_kept_before_an_unknown_value_are_the_ones_it_cannot_merge_wi
     assert kept('{"ok', '": ', "tf") == ['":']  # " true" is one token
     assert kept('{"x', '": ', '"1[{tn') == ['":']  # anything may follow: the space waits for it
     assert kept('{"x', '": ', "") == ['":']  # nothing said of what follows: a trailing space is dropped
+
+
+def test_a_guessed_value_is_written_as_if_prepared_its_end_tagged_apart():
+    from infer.slots.packer import ANY_VALUE, GUESS, GUESS_END, propose_tagged
+
+    plans = [CallPlan("get_weather", ("city", "days"), ("city", "days"), {}, {"city": "string", "days": "number"}),
+             TIME]
+    head = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": '
+    # the chain stops before the value nobody prepared, and names it
+    packed = propose_tagged(head + '"Rome", "da', parse_prefix(head + '"Rome", "da'), plans)
+    assert (packed.text, packed.then, packed.slot) == ('ys": ', "15", (0, "days"))
+    # a number guessed: written, then the structure after it, whose first character is its end
+    text = head + '"Rome", "days": '
+    suffix, kinds, then, slot = propose_tagged(text, parse_prefix(text), plans, guessed={(0, "days"): "12"})
+    assert suffix == '12}}, {"name": "get_time", "arguments": {"tz": ' and (then, slot) == (ANY_VALUE, (1, "tz"))
+    assert kinds[:3] == [GUESS, GUESS, GUESS_END] and GUESS not in kinds[3:]
+    # a string guessed: its closing quote is its end
+    suffix, kinds, _, slot = propose_tagged(head, parse_prefix(head), plans, guessed={(0, "city"): '"Rome"'})
+    assert suffix == '"Rome", "days": ' and kinds[:6] == [GUESS] * 5 + [GUESS_END] and slot == (0, "days")
+    # the value MAIN is writing goes on as a guess only where the guess starts with what it wrote
+    text = head + '"Rome", "days": 1'
+    assert propose_tagged(text, parse_prefix(text), plans, guessed={(0, "days"): "12"}).text.startswith("2}}")
+    assert propose_tagged(text, parse_prefix(text), plans, guessed={(0, "days"): "30"}).text == ""
+    # with guessed ends on, a guess that does not fit MAIN's value leaves that guess to close it
+    assert propose_tagged(text, parse_prefix(text), plans, close=True, guessed={(0, "days"): "30"}).text \
+        .startswith("}}, {")
+
+
+def test_the_forecast_plan_holds_its_schemas_choices():
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {
+        "unit": {"type": "string", "enum": ["C", "F"]}, "exact": {"type": "boolean"}, "n": {"type": "integer"}}}}
+    assert call_plan(fn).choices == {"unit": ('"C"', '"F"'), "exact": ("true", "false")}

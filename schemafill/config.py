@@ -166,7 +166,8 @@ class DecodeConfig:
     copy_len: int = 4  # SchemaFill's MAIN chains copied from the prompt and the response (0 = off; beyond the paper)
     chain_head_depth: int = 0  # SchemaFill: the head tree's depth in rounds with a packed chain (0 = depth)
     guess_ends: bool = False  # SchemaFill's packer guesses where open values and the response end (beyond the paper)
-    value_guesses: int = 0  # SchemaFill chains through this many guesses of an unprepared value (0 = off; beyond the paper)
+    # SchemaFill's packer chains through this many guesses of an unprepared value (0 = off; beyond the paper)
+    value_guesses: int = 0
     forecast_budget: int = 3  # B: forecast call groups
     ablation: str = "D"  # A: EAGLE-3 only, B: + schema-guided MAIN and copies, C: + SIDE drafting, D: + packing
     # cost: each round verifies the candidates worth their measured cost on this hardware

@@ -73,7 +73,6 @@ CLOSES = (CLOSE_STRING, CLOSE_NUMBER)
 # the closing after the last call): structure, but the one choice in it the plans may get wrong
 NEXT, END = "next", "end"
 OPEN = "open"  # the start of an unknown value its schema's type fixes: structure the plan may get wrong
-STRUCTURE = (BRIDGE, NEXT, END, OPEN) + CLOSES  # what the packer writes itself: no SIDE branch needed
 # (text, kind); text None where a value is unknown, and its kind then a ``Stop``
 Piece = tuple[str | None, "str | Stop"]
 

@@ -215,8 +215,8 @@ class SlotDrafting(Drafting):
                       for text, then in dict.fromkeys(texts)]
         tree = Candidates.tree(*(merge(candidates) if candidates else ([], [])), "init")
         state = s.stop.parser.state
-        guessed = [chain for plan in {p.tool: p for p in self.plans if p.keys}.values()
-                   for chain in self._guessed(s, "", state, [plan], None, (0, plan.keys[0]))]
+        guessed = [c for plan in {p.tool: p for p in self.plans if p.keys}.values()
+                   for c in self._guessed(s, "", state, [plan], None, (0, plan.keys[0]))]
         if guessed:
             tree = Candidates.merged([tree, *guessed], self.budget.stats.rate)
         extra, owners = self.side.open_first(self.plans) if self._sides_pay() else ([], [])
@@ -396,12 +396,13 @@ class SlotDrafting(Drafting):
                                  self.budget.stats.rate)
 
     def _packed(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
-                ahead: dict[tuple[int, str], str] | None, guessed: tuple[tuple[int, str], str, int] | None = None
+                ahead: dict[tuple[int, str], str] | None, guessed: tuple[tuple[int, str], str, str] | None = None
                 ) -> tuple[Candidates, list[str], tuple[int, str] | None]:
         """The packer's chain after MAIN's committed text, tokenised as the whole response
         would be, each token's kind (its source tags them; no kinds when the packer has
         nothing), and the (call, key) of the unprepared value it stops before. ``guessed``:
-        (slot, literal, rank), a guess of that value the chain runs through."""
+        (slot, literal, source), a guess of that value the chain runs through, its tokens
+        tagged ``source`` and its end ``source_end``."""
         cfg = self.cfg
         suffix, kinds, then, slot = propose_tagged(text, state, plans, cross_calls=cfg.cross_calls, provisional=ahead,
                                                    fmt=self.fmt, close=cfg.guess_ends,
@@ -429,7 +430,8 @@ class SlotDrafting(Drafting):
         partial = text[state.value_start:] if state.in_value and (state.call_index, state.field) == slot else ""
         literals = value_guesses(plan.types.get(key, ""), plan.choices.get(key, ()), self.numbers,
                                  text[:len(text) - len(partial)], self.cfg.value_guesses, partial)
-        return self._through(s, text, state, plans, ahead, slot, literals, "guess")
+        return self._through(s, text, state, plans, ahead, slot,
+                             [(literal, f"guess{rank}") for rank, literal in enumerate(literals, 1)])
 
     def _word_ends(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
                    ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str], copied: str) -> list[Candidates]:
@@ -442,16 +444,15 @@ class SlotDrafting(Drafting):
         partial = text[state.value_start:]
         ends = [i for i in range(len(copied)) if copied[i] in WORD_ENDS and (not i or copied[i - 1] not in WORD_ENDS)]
         ends = (ends + [len(copied)])[: self.cfg.value_guesses]
-        literals = {f"word{words + bool(ends[0])}": partial + copied[:i] + '"'
-                    for words, i in enumerate(ends) if "\\" not in copied[:i]}
-        return [chain for tag, literal in literals.items()
-                for chain in self._through(s, text, state, plans, ahead, slot, [literal], tag, ranked=False)]
+        # tagged by the words after MAIN's text: word0 closes it now, where the request's word ends
+        return self._through(s, text, state, plans, ahead, slot,
+                             [(partial + copied[:i] + '"', f"word{words + bool(ends[0])}")
+                              for words, i in enumerate(ends) if "\\" not in copied[:i]])
 
     def _through(self, s: MainSession, text: str, state: Any, plans: list[CallPlan],
-                 ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str], literals: list[str],
-                 kind: str, ranked: bool = True) -> list[Candidates]:
-        """The packer's chains through each of ``literals`` as ``slot``'s value, tagged ``kind``
-        and (``ranked``) its rank: what each rank's guesses hold is learnt apart."""
-        chains = [self._packed(s, text, state, plans, ahead, (slot, literal, f"{kind}{rank}" if ranked else kind))[0]
-                  for rank, literal in enumerate(literals, 1)]
+                 ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str], guesses: list[tuple[str, str]]
+                 ) -> list[Candidates]:
+        """The packer's chains through each (literal, source) of ``guesses`` as ``slot``'s value:
+        each source (a rank, a word count) learns apart how often it holds."""
+        chains = [self._packed(s, text, state, plans, ahead, (slot, literal, source))[0] for literal, source in guesses]
         return [c for c in chains if len(c)]

@@ -233,7 +233,8 @@ def test_a_value_nobody_prepared_starts_as_its_schema_says():
     assert p(head + '"n": 3, "city": "Ro', [plan]) == ""
     # a plan without kinds (a schema that says none) stops before the value, as any value may follow
     bare = CallPlan("book", plan.keys, plan.schema_keys, {})
-    assert propose_tagged(head + '"n', parse_prefix(head + '"n'), [bare]) == ('": ', ["bridge"] * 3, ANY_VALUE, (0, "n"))
+    assert propose_tagged(head + '"n', parse_prefix(head + '"n'), [bare]) == \
+        ('": ', ["bridge"] * 3, ANY_VALUE, (0, "n"))
 
 
 def test_the_tokens_kept_before_an_unknown_value_are_the_ones_it_cannot_merge_with(smol_tokenizer):

@@ -147,9 +147,9 @@ def test_cost_aware_rounds_equal_ar_whatever_they_keep(tiny_target, base_target)
     eos = frozenset({tok.eos_token_id})
     steep, flat = CostModel((1, 64), (10.0, 262.0)), CostModel((1, 64), (10.0, 10.5))
     for curve in (steep, flat):
-        for guess in (False, True):  # guessed ends of values and of the response: proposals only
+        for guess in (False, True):  # guessed ends and values, and the response's end: proposals only
             for _ in check(target, tok, eos, ["bm25", "repeated"], "BD", max_new=24, budget=NodeBudget(curve),
-                           guess_ends=guess):
+                           guess_ends=guess, value_guesses=3 * guess):
                 pass
     target, tok, eos = base_target
     budget = NodeBudget(steep)
@@ -257,7 +257,8 @@ def test_hermes3_format_is_lossless_and_follows_the_keys_to_the_name(tiny_target
 @pytest.mark.slow
 def test_builtin_model_adversarial_forecasts_are_lossless(base_target):
     target, tok, eos = base_target
-    for _ in check(target, tok, eos, list(CASES), "BCD", max_new=48):
+    # with guesses of unprepared values too: wrong forecasts make wrong guesses
+    for _ in check(target, tok, eos, list(CASES), "BCD", max_new=48, value_guesses=3):
         pass
 
 

@@ -422,9 +422,8 @@ class SlotDrafting(Drafting):
                  ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str] | None) -> list[Candidates]:
         """Chains through the likeliest literals of ``slot``'s value (``guesses.py``: the schema's
         choices, the request's numbers), each tagged by its rank so that how often each rank
-        holds is learnt; none where a SIDE branch is preparing it (its text is the better guess)."""
-        if not self.cfg.value_guesses or slot is None or slot[0] is None or slot[0] >= len(plans) or \
-                (ahead and slot in ahead):
+        holds is learnt."""
+        if not self.cfg.value_guesses or slot is None or slot[0] is None or slot[0] >= len(plans):
             return []
         plan, key = plans[slot[0]], slot[1]
         partial = text[state.value_start:] if state.in_value and (state.call_index, state.field) == slot else ""
@@ -439,7 +438,7 @@ class SlotDrafting(Drafting):
         if the request's word ends here, then after each next word, up to ``value_guesses``
         ends. A value copied from the request ends where a word does, and the round that
         writes its last word otherwise ends there, one token short of the structure after it."""
-        if not self.cfg.value_guesses or (ahead and slot in ahead):
+        if not self.cfg.value_guesses:
             return []
         partial = text[state.value_start:]
         ends = [i for i in range(len(copied)) if copied[i] in WORD_ENDS and (not i or copied[i - 1] not in WORD_ENDS)]
@@ -453,6 +452,9 @@ class SlotDrafting(Drafting):
                  ahead: dict[tuple[int, str], str] | None, slot: tuple[int, str], guesses: list[tuple[str, str]]
                  ) -> list[Candidates]:
         """The packer's chains through each (literal, source) of ``guesses`` as ``slot``'s value:
-        each source (a rank, a word count) learns apart how often it holds."""
+        each source (a rank, a word count) learns apart how often it holds. None where a SIDE
+        branch is preparing that value: its text is the better guess."""
+        if ahead and slot in ahead:
+            return []
         chains = [self._packed(s, text, state, plans, ahead, (slot, literal, source))[0] for literal, source in guesses]
         return [c for c in chains if len(c)]

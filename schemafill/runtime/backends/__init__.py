@@ -42,10 +42,12 @@ SETTINGS = BACKENDS  # the config's names: "auto" and every builder's (tests/run
 def attach(target: Target, setting: str = "auto", decodes: bool = True) -> Target:
     """``target`` with the backend ``setting`` names (``model.backend``) running its calls, or
     under ``auto``: for a target that ``decodes`` (runs the decode loop's calls), CUDA graphs on a
-    GPU; a CPU's bf16 target batch-invariant where the host has the kernels; otherwise eager, or
-    compiled where the target decodes and a timed probe of the decode loop's calls finds it faster
-    here (``compiled.choose``, cached per host and shape). A backend this host cannot run is an
-    error naming it."""
+    GPU; a CPU's bf16 target batch-invariant where the host has the kernels; an fp32 target that
+    decodes batch-invariant where the kernels have their own fp32 product and a timed probe of
+    the decode loop's calls finds it about as fast as the alternative (``batch_invariant.choose``);
+    otherwise eager, or compiled where the target decodes and a timed probe of the decode loop's
+    calls finds it faster here (``compiled.choose``). Probes are cached per host and shape. A
+    backend this host cannot run is an error naming it."""
     if setting not in SETTINGS:
         raise ValueError(f"model.backend must be one of {SETTINGS}, got {setting!r}")
     if setting != "auto":
@@ -67,5 +69,12 @@ def auto(target: Target, decodes: bool) -> Backend:
         chosen = batch_invariant.build(target, "auto: bf16 on a CPU with the batch-invariant kernels")
         if chosen is not None:
             return chosen
-    plain = eager.build(target, why="auto: a CPU target without batch-invariant kernels")
+    if decodes and target.dtype == torch.float32 and batch_invariant.kernels.products_available(torch.float32):
+        return batch_invariant.choose(target, lambda why: eager_or_compiled(target, why, decodes))
+    return eager_or_compiled(target, "auto: a CPU target without batch-invariant kernels", decodes)
+
+
+def eager_or_compiled(target: Target, why: str, decodes: bool) -> Backend:
+    """Eager, or compiled where the target decodes and its timed probe finds it faster."""
+    plain = eager.build(target, why=why)
     return compiled.choose(target, plain) if decodes else plain

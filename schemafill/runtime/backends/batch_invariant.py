@@ -1,42 +1,53 @@
 """The batch-invariant backend: a row's logits, features and KV are the same bits whatever
 else its call holds (how many rows, which slots around its own are masked), so a tree
-verification row equals the one-row AR step at its position and verifying in bf16 still
-commits AR's tokens (docs/design.md, "Batch-invariant forwards").
+verification row equals the one-row AR step at its position, and speculative decoders commit
+AR's tokens by construction, in bf16 as in fp32 (docs/design.md, "Batch-invariant forwards").
 
-Every product is row-invariant — the kernels' own bf16 product over a blocked copy of each
-weight where the build has it (512-bit vectors), else oneDNN's padded packed product — and
-attention, with rotary and the KV writes, runs on the kernels' attention, whose every sum runs
-along one vector lane in slot order (``runtime/kernels/batch_invariant.c``). In bf16 each
-residual add runs with the norm after it in one call, and where the build has the product and
-the target has no Q/K norms each decoder layer is one call (``layer_bf16``: the same kernels
-in the same order, without the per-layer Python).
+Every product is row-invariant — the kernels' own product over a blocked copy of each weight
+where the build has it for the target's dtype (bf16: 512-bit vectors; fp32: AVX2), else
+oneDNN's padded packed product — and attention, with rotary and the KV writes, runs on the
+kernels' attention, whose every sum runs along one vector lane in slot order
+(``runtime/kernels/batch_invariant.c``). Each residual add runs with the norm after it in one
+call, and where the build has the product and the target has no Q/K norms each decoder layer
+is one call (``layer_bf16``, ``layer_f32``: the same kernels in the same order, without the
+per-layer Python).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from schemafill.runtime import host, products
-from schemafill.runtime.calls import Forward, Part, Product
+from schemafill.runtime import host, host_cache, products
+from schemafill.runtime.calls import Backend, Forward, Part, Product
 from schemafill.runtime.kernels import batch_invariant as kernels
 from schemafill.runtime.layers import signed_sin
 from schemafill.runtime.model import Target
 from schemafill.runtime.storage import KVArena
+from schemafill.runtime.timing import alternating_ms
+
+
+# an fp32 target takes batch-invariant forwards where the decode loop's calls take at most this
+# share of the other backend's time: lossless by construction is worth a few percent
+MARGIN = 1.05
+PROBE_CONTEXT = 512  # committed positions the choice's calls attend to
+PROBE_ROWS = (1, 8)  # an AR step and a verification, timed together
 
 
 def possible(dtype: torch.dtype) -> bool:
     """Whether this host can run batch-invariant ``dtype`` forwards: the kernels (a C compiler),
-    with their own bf16 products (512-bit vectors) or oneDNN's packed ones in that dtype."""
+    with their own ``dtype`` products (bf16: 512-bit vectors; fp32: AVX2) or oneDNN's packed ones."""
     if not kernels.available():
         return False
-    return dtype == torch.bfloat16 and kernels.products_available() or products.packs(dtype)
+    return kernels.products_available(dtype) or products.packs(dtype)
 
 
 class Blocked:
-    """The kernels' own bf16 product over a blocked copy of every weight, as the model's ``product``."""
+    """The kernels' own product over a blocked copy of every weight, as the model's ``product``."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         self.weights = {m: kernels.pack(m.weight, m.bias) for m in linears}
@@ -116,7 +127,6 @@ class BatchInvariant:
 
     def __init__(self, target: Target, product: Blocked | products.Products, why: str = "") -> None:
         self.target, self.product, self.why = target, product, why
-        self.bf16 = target.dtype == torch.bfloat16
         # per layer, what the one-call layer takes, where it applies (the kernels have no Q/K norms)
         self.layer_calls: list[tuple] | None = None
         if isinstance(product, Blocked) and not target.config.qk_norm:
@@ -144,8 +154,6 @@ class BatchInvariant:
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, attend: KernelRows | KernelParts,
              logits_at: torch.Tensor | None) -> Forward:
-        if not self.bf16:  # fp32: the model's layers with row-invariant products and attention
-            return self.target.run(tokens, positions, attend, logits_at, self.product)
         target, c = self.target, self.target.config
         x = target.model.embed_tokens(tokens)  # [B, T, H]
         cos, sin = target.rotary(positions, x.dtype)
@@ -162,7 +170,7 @@ class BatchInvariant:
 
     def _layer_by_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         attend: KernelRows | KernelParts, saved: dict) -> torch.Tensor:
-        """The bf16 layers one op at a time, each residual add with the norm after it in one call.
+        """The layers one op at a time, each residual add with the norm after it in one call.
         Returns the final norm [B, T, H]."""
         c, layers, product = self.target.config, self.target.model.layers, self.product
         x, h = kernels.add_rms_norm(x, None, layers[0].input_layernorm.weight, c.rms_norm_eps)
@@ -177,9 +185,9 @@ class BatchInvariant:
 
     def _one_call_a_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           attend: KernelRows | KernelParts, saved: dict) -> torch.Tensor:
-        """Each bf16 layer one kernels call (``layer_bf16``: the same kernels in the same order as
-        ``_layer_by_layer``), so the per-layer Python a small call pays for is gone. Returns the
-        final norm [B, T, H]."""
+        """Each layer one kernels call (``layer_bf16``, ``layer_f32``: the same kernels in the same
+        order as ``_layer_by_layer``), so the per-layer Python a small call pays for is gone.
+        Returns the final norm [B, T, H]."""
         c = self.target.config
         layers = self.target.model.layers
         x, h = kernels.add_rms_norm(x, None, layers[0].input_layernorm.weight, c.rms_norm_eps)
@@ -189,12 +197,12 @@ class BatchInvariant:
         groups, keep = zip(*attend.groups(cos.contiguous(), sin.contiguous()))
         sizes = [rows * (qw + 2 * c.num_kv_heads * hd), rows * qw, rows * qw, rows * width, rows * 2 * inter,
                  rows * inter]
-        scratch = torch.empty(sum(sizes), dtype=torch.bfloat16)
-        at = [scratch.data_ptr() + 2 * sum(sizes[:i]) for i in range(len(sizes))]
+        scratch = torch.empty(sum(sizes), dtype=x.dtype)
+        at = [scratch.data_ptr() + scratch.element_size() * sum(sizes[:i]) for i in range(len(sizes))]
         table = (kernels.AttentionGroup * len(groups))(*groups)
         call = kernels.LayerCall(rows, width, c.num_heads, c.num_kv_heads, hd, inter, len(groups),
                                  c.rms_norm_eps, hd ** -0.5, table, *at)
-        run, xp, hp = kernels.loaded().layer_bf16, x.data_ptr(), h.data_ptr()
+        run, xp, hp = kernels.by_dtype("layer", x.dtype), x.data_ptr(), h.data_ptr()
         for i, args in enumerate(self.layer_calls):
             if i in c.aux_layer_ids:
                 saved[i] = x.clone()
@@ -214,7 +222,7 @@ class BatchInvariant:
 
 
 def mlp(block: nn.Module, x: torch.Tensor, product: Product) -> torch.Tensor:  # [B, T, H]
-    """The MLP of a bf16 layer (gate/up fused), silu·up on the kernels as the one-call layer runs it."""
+    """The MLP of a layer (gate/up fused), silu·up on the kernels as the one-call layer runs it."""
     b, t, _ = x.shape
     act = kernels.silu_mul(product(block.gate_up, x).view(b * t, -1))
     return product(block.down_proj, act).view(b, t, -1)
@@ -226,11 +234,75 @@ def build(target: Target, why: str = "") -> BatchInvariant | None:
     gate/up are fused first: the layers call those products directly."""
     if not possible(target.dtype):
         raise RuntimeError(f"no batch-invariant {target.dtype} forward on this host (it needs a C compiler, and "
-                           f"512-bit vectors or oneDNN packing of {target.dtype} weights)")
+                           f"the kernels' own {target.dtype} product or oneDNN packing of {target.dtype} weights)")
     linears = target.fuse().linears
     if not products.room_to_pack(products.weight_bytes(linears), host.available_memory()):
         print("[runtime] no room for packed weights: forwards stay batch-variant (verify in fp32)")
         return None
-    blocked = target.dtype == torch.bfloat16 and kernels.products_available() and all(
-        m.in_features % 2 == 0 for m in linears)
+    blocked = kernels.products_available(target.dtype) and (
+        target.dtype != torch.bfloat16 or all(m.in_features % 2 == 0 for m in linears))
     return BatchInvariant(target, Blocked(linears) if blocked else products.packed_everywhere(linears), why)
+
+
+def probe(target: Target, backends: list[Backend], rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5
+          ) -> list[float]:
+    """Milliseconds of decode calls on each backend, timed in turn: for each of ``rows``, a call
+    of that many rows after ``PROBE_CONTEXT`` positions (each backend prefills its own arena
+    first, untimed), summed."""
+    n = max(rows)
+    width = PROBE_CONTEXT + n
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g)
+    positions = torch.arange(width)[None]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
+    calls = []
+    for backend in backends:
+        arena = backend.new_arena(1, width)
+        context = slice(0, PROBE_CONTEXT)
+        backend.forward(tokens[:, context], positions[:, context], causal[:, context, context], positions[:, context],
+                        arena)
+
+        def decode(backend=backend, arena=arena) -> None:
+            for r in rows:
+                s = slice(PROBE_CONTEXT, PROBE_CONTEXT + r)
+                backend.forward(tokens[:, s], positions[:, s], causal[:, s, :s.stop], positions[:, s], arena)
+
+        calls.append(decode)
+    return alternating_ms(calls, target.device, repeats)
+
+
+@torch.inference_mode()
+def choose(target: Target, other: Callable[[str], Backend], cache_dir=None) -> Backend:
+    """For an fp32 CPU target whose kernels have their own fp32 product: the batch-invariant
+    backend where a timed probe of the decode loop's calls (``PROBE_ROWS`` after
+    ``PROBE_CONTEXT`` positions) finds it within ``MARGIN`` of the backend ``auto`` would take
+    otherwise (``other(why)`` builds it, told why), else that one. The timings are cached per
+    host, target shape and kernels' build, so a later launch that finds batch-invariant chosen
+    builds nothing else; the choice and why are the backend's ``summary``."""
+    invariant = build(target)
+    if invariant is None:
+        return other("auto: no room for the batch-invariant backend's packed weights")
+    c = target.config
+    key = "|".join([f"{c.family}-L{c.num_layers}-H{c.hidden_size}-I{c.intermediate_size}-V{c.vocab_size}",
+                    str(target.dtype), invariant.key(), f"rows{PROBE_ROWS}", *host.timing_key()])
+    path = host_cache.entry(cache_dir or host_cache.folder("backends"), key)
+    saved = host_cache.read(path, key)
+    cached = saved is not None and {"invariant_ms", "other_ms", "other"} <= set(saved)
+    fallback = None
+    if not cached:
+        fallback = other("auto: timed against the batch-invariant backend")
+        start = time.perf_counter()
+        invariant_ms, other_ms = probe(target, [invariant, fallback])
+        saved = {"invariant_ms": round(invariant_ms, 3), "other_ms": round(other_ms, 3), "other": fallback.name,
+                 "probe_s": round(time.perf_counter() - start, 1)}
+        host_cache.write(path, key, saved, "the batch-invariant probe")
+    calls = " + ".join(f"c({r})" for r in PROBE_ROWS)
+    measured = (f"timed probe{' (cached)' if cached else ''}: {calls} batch-invariant {saved['invariant_ms']:.1f} ms, "
+                f"{saved['other']} {saved['other_ms']:.1f} ms")
+    if saved["invariant_ms"] <= MARGIN * saved["other_ms"]:
+        invariant.why = f"auto: {measured}: batch-invariant"
+        return invariant
+    if fallback is None:
+        return other(f"auto: {measured}: {saved['other']}")
+    fallback.why = f"auto: {measured}: {fallback.name}; {fallback.why}"
+    return fallback

@@ -1,5 +1,5 @@
 /* Batch-invariant kernels: attention over a KV arena, the residual add with RMSNorm, and the
- * projections' products (bf16).
+ * projections' products (bf16; fp32 where AVX2 is).
  *
  * Attention:
  *
@@ -121,6 +121,7 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
     for (int j = 0; j < L; j++) m[j] = m[j] == -INFINITY ? 0.0f : m[j];                          \
     for (int s = 0; s < reach; s++) {                                                            \
         float *ps = P + s * L;                                                                   \
+        _Pragma("omp simd")                                                                      \
         for (int j = 0; j < L; j++) { float p = exp_neg(ps[j] - m[j]); ps[j] = p; l[j] += p; }   \
     }                                                                                            \
     /* values: rows in fours against 64 dimensions of each slot's value row (converted once    \
@@ -133,7 +134,8 @@ static void NAME(int hd, int reach, const float *restrict qT, const float *restr
             for (int s = 0; s < reach; s++) {                                                    \
                 const T *vs = V + s * kss + d0;                                                  \
                 float vf[DV];                                                                    \
-                for (int e = 0; e < DV; e++) vf[e] = e < dn ? LOAD(vs[e]) : 0.0f;                \
+                if (dn == DV) for (int e = 0; e < DV; e++) vf[e] = LOAD(vs[e]);                  \
+                else for (int e = 0; e < DV; e++) vf[e] = e < dn ? LOAD(vs[e]) : 0.0f;           \
                 const float *p = P + s * L + j0;                                                 \
                 _Pragma("GCC unroll 4")                                                          \
                 for (int i = 0; i < 4; i++) {                                                    \
@@ -512,6 +514,34 @@ void add_rms_norm_bf16(int64_t rows, int dim, const uint16_t *x, int64_t xs, con
     }
 }
 
+/* Residual add and RMSNorm of fp32 rows: s = x + y (y may be NULL: s = x), then
+ * out = w * (s * r) with r = 1 / sqrt(mean(s²) + eps), the squares summed in the lanes and order
+ * of ``add_rms_norm_bf16``. Row by row, the same operations for every row. */
+void add_rms_norm_f32(int64_t rows, int dim, const float *x, int64_t xs, const float *y, int64_t ys,
+                      const float *w, float eps, float *sum, int64_t ss, float *out, int64_t os) {
+    #pragma omp parallel for if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * xs, *yr = y ? y + r * ys : NULL;
+        float *sr = sum + r * ss, *orow = out + r * os;
+        float acc[16] = {0};
+        for (int i0 = 0; i0 < dim; i0 += 16) {
+            int n = dim - i0 < 16 ? dim - i0 : 16;
+            #pragma omp simd
+            for (int l = 0; l < n; l++) {
+                float v = yr ? xr[i0 + l] + yr[i0 + l] : xr[i0 + l];
+                sr[i0 + l] = v;
+                acc[l] = fmaf(v, v, acc[l]);
+            }
+        }
+        float t8[8], t4[4];
+        for (int l = 0; l < 8; l++) t8[l] = acc[l] + acc[l + 8];
+        for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
+        float inv = 1.0f / sqrtf(((t4[0] + t4[2]) + (t4[1] + t4[3])) / (float)dim + eps);
+        #pragma omp simd
+        for (int i = 0; i < dim; i++) orow[i] = w[i] * (sr[i] * inv);
+    }
+}
+
 DEFINE_ROPE_ATTEND(rope_attend_f32, attend_f32, float, SAME, SAME)
 DEFINE_ROPE_ATTEND(rope_attend_bf16, attend_bf16, uint16_t, from_bf16, to_bf16)
 
@@ -626,6 +656,96 @@ void product_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs
 int product_tiles(void) { return 0; }
 #endif
 
+/* Products y = x Wᵀ + bias of fp32 rows against fp32 weights: every output element is one fma
+ * chain over k = 0 .. K-1 in order, whatever the call's row count or how rows and columns are
+ * tiled, so a row gets the same bits alone or among many — and the same bits in 256-bit lanes as
+ * in any other width. One pass streams the weights once for up to F32_ROWS rows; the rows of a
+ * chunk pass over a group while it is still in cache. The BLAS's few-row kernels stream the
+ * weights at under half the host's read rate; this one stays near it from one row to a few, and
+ * past that is bound by the fmas.
+ *
+ * Layout (``pack_f32``): the N outputs in groups of F32_COLS = F32_TILES·8 (the last padded with
+ * zeros); per group, per input k, F32_TILES vectors of 8 outputs — each group one contiguous run
+ * of K·F32_COLS weights. Built where AVX2 and FMA are (``product_f32_cols`` says 0 elsewhere). */
+#if defined(__AVX2__) && defined(__FMA__)
+#define F32_TILES 3   /* 24 outputs a group: 576, 960, 1536, 3072 and 49152 split evenly */
+#define F32_ROWS 4    /* rows a pass: F32_ROWS·F32_TILES accumulators + F32_TILES weights + 1 broadcast of 16 */
+#define F32_COLS (8 * F32_TILES)
+#define F32_CHUNK 64  /* rows whose inputs stay in cache while every group streams past them */
+
+int product_f32_cols(void) { return F32_COLS; }
+
+void pack_f32(int64_t N, int64_t K, const float *W, float *P) {
+    const int64_t groups = (N + F32_COLS - 1) / F32_COLS;
+    #pragma omp parallel for
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t k = 0; k < K; k++)
+            for (int o = 0; o < F32_COLS; o++) {
+                int64_t n = g * F32_COLS + o;
+                P[(g * K + k) * F32_COLS + o] = n < N ? W[n * K + k] : 0.0f;
+            }
+}
+
+static inline __attribute__((always_inline)) void product_f32_pass(
+        const int R, int64_t K, const float *restrict Pg, const float *restrict x, int64_t xs,
+        const float *restrict bias, float *restrict y, int64_t ys, int64_t n0, int64_t N) {
+    __m256 acc[F32_ROWS][F32_TILES];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int t = 0; t < F32_TILES; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 w[F32_TILES];
+        #pragma GCC unroll 8
+        for (int t = 0; t < F32_TILES; t++) w[t] = _mm256_loadu_ps(Pg + (k * F32_TILES + t) * 8);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m256 b = _mm256_broadcast_ss(x + r * xs + k);
+            #pragma GCC unroll 8
+            for (int t = 0; t < F32_TILES; t++) acc[r][t] = _mm256_fmadd_ps(w[t], b, acc[r][t]);
+        }
+    }
+    /* out through a buffer of whole vectors: with no partial store among them, the compiler keeps
+     * the accumulators in registers through the loop above instead of storing them every step */
+    float out[F32_ROWS][F32_COLS];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int t = 0; t < F32_TILES; t++)
+            _mm256_storeu_ps(out[r] + 8 * t, bias ? _mm256_add_ps(acc[r][t], _mm256_loadu_ps(bias + 8 * t)) : acc[r][t]);
+    const int64_t width = N - n0 < F32_COLS ? N - n0 : F32_COLS;
+    for (int r = 0; r < R; r++) memcpy(y + r * ys + n0, out[r], (size_t)width * sizeof(float));
+}
+
+#define F32_PASS(R) static void f32_pass##R(int64_t K, const float *Pg, const float *x, int64_t xs,       \
+    const float *bias, float *y, int64_t ys, int64_t n0, int64_t N) {                                 \
+    product_f32_pass(R, K, Pg, x, xs, bias, y, ys, n0, N); }
+F32_PASS(1) F32_PASS(2) F32_PASS(3) F32_PASS(4)
+typedef void (*f32_pass_fn)(int64_t, const float *, const float *, int64_t, const float *, float *, int64_t,
+                            int64_t, int64_t);
+static const f32_pass_fn F32_PASSES[F32_ROWS + 1] = {0, f32_pass1, f32_pass2, f32_pass3, f32_pass4};
+
+/* x: [M, K] (row stride xs), P: ``pack_f32`` of W [N, K], bias: [N + padding] or NULL,
+ * y: [M, N] (row stride ys). */
+void product_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t xs, const float *P,
+                 const float *bias, float *y, int64_t ys) {
+    const int64_t groups = (N + F32_COLS - 1) / F32_COLS, chunks = (M + F32_CHUNK - 1) / F32_CHUNK;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *Pg = P + g * K * F32_COLS;
+            const float *bg = bias ? bias + g * F32_COLS : NULL;
+            int64_t end = (c + 1) * F32_CHUNK < M ? (c + 1) * F32_CHUNK : M;
+            for (int64_t m = c * F32_CHUNK; m < end; m += F32_ROWS) {
+                int R = end - m < F32_ROWS ? (int)(end - m) : F32_ROWS;
+                F32_PASSES[R](K, Pg, x + m * xs, xs, bg, y + m * ys, ys, g * F32_COLS, N);
+            }
+        }
+}
+#else
+int product_f32_cols(void) { return 0; }
+#endif
+
 /* silu(gate) · up of bf16 halves, rounded as torch's bf16 ops round them: s = bf16(silu(g)) in
  * fp32, then bf16(s · u). silu(x) = x / (1 + e^-x), from e = exp(-|x|) so that the exponential's
  * argument is never positive (``exp_neg``, which vectorizes where libm's expf does not).
@@ -644,34 +764,50 @@ void silu_mul_bf16(int64_t rows, int64_t I, const uint16_t *gu, uint16_t *out) {
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* One decoder layer of a bf16 target in one call (Llama, Mistral, Qwen2: no Q/K norms), the same
+/* silu(gate) · up of fp32 rows, from e = exp(-|x|) as ``silu_mul_bf16`` computes it.
+ * gu: [rows, 2·I] (gate, then up), out: [rows, I]. */
+void silu_mul_f32(int64_t rows, int64_t I, const float *gu, float *out) {
+    #pragma omp parallel for if (rows * I > 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *o = out + r * I;
+        #pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            float x = g[i];
+            float e = exp_neg(-fabsf(x));
+            o[i] = (x >= 0.0f ? x : x * e) / (1.0f + e) * u[i];
+        }
+    }
+}
+
+/* One decoder layer of a target in one call (Llama, Mistral, Qwen2: no Q/K norms), the same
  * kernels in the same order as the runtime calls them one by one:
  *   qkv = h Wqkvᵀ; rotary, KV writes and attention per group; x, h = add_rms_norm(x, attn Woᵀ);
  *   x, h = add_rms_norm(x, (silu(gate) · up) Wdownᵀ) with the next norm's weight.
  * x (the residual stream) and h (its norm) are updated in place. A group is one attention call:
  * B batch rows of T tokens, rows [row0, row0 + B·T) of the call, with their own arena rows,
- * slots, mask and rotary tables. */
+ * slots, mask and rotary tables. Built per dtype where its product is (``layer_bf16``: 512-bit
+ * vectors; ``layer_f32``: AVX2). */
 typedef struct {
     int64_t B, T, S, row0;
     const int64_t *slots; int64_t ssb;
     const int64_t *kv;  /* [layers][2][B]: each batch row's arena row, keys then values */
     int64_t ksh, kss;   /* the arena's KV-head and slot strides */
     const uint8_t *mask; int64_t msb, mst;
-    const uint16_t *cos, *sin; int64_t csb, cst;
+    const void *cos, *sin; int64_t csb, cst;
 } attn_group;
 
-typedef struct { const uint16_t *w; const float *b; int64_t n, k; } packed_product;
+typedef struct { const void *w; const float *b; int64_t n, k; } packed_product;
 
 typedef struct {
     int64_t rows, H, Hq, Hkv, hd, I, ngroups;
     float eps, scale;
     const attn_group *groups;
-    uint16_t *qkv, *qbuf, *attn, *proj, *gu, *act;  /* scratch */
+    void *qkv, *qbuf, *attn, *proj, *gu, *act;  /* scratch, in the layer's dtype */
 } layer_call;
 
 /* the i with first[i] <= x < first[i + 1] (first: n + 1 non-decreasing counts from 0) */
-static int64_t group_of(const int64_t *first, int64_t n, int64_t x) {
+static inline int64_t group_of(const int64_t *first, int64_t n, int64_t x) {
     int64_t lo = 0, hi = n - 1;
     while (lo < hi) {
         int64_t mid = (lo + hi + 1) / 2;
@@ -680,50 +816,60 @@ static int64_t group_of(const int64_t *first, int64_t n, int64_t x) {
     return lo;
 }
 
-static void run_product(const packed_product *p, int64_t rows, const uint16_t *x, uint16_t *y) {
-    product_bf16(rows, p->n, p->k, x, p->k, p->w, p->b, y, p->n);
+#define DEFINE_LAYER(NAME, TY, PRODUCT, ADD_RMS_NORM, SILU_MUL, ROPE_TOKEN, ATTEND_ITEM)                    \
+static void NAME##_product(const packed_product *p, int64_t rows, const TY *x, TY *y) {                    \
+    PRODUCT(rows, p->n, p->k, x, p->k, (const TY *)p->w, p->b, y, p->n);                                    \
+}                                                                                                       \
+void NAME(const layer_call *c, int64_t layer, const packed_product *qkv, const packed_product *o,        \
+          const packed_product *gate_up, const packed_product *down, const TY *norm, const TY *next_norm,  \
+          TY *x, TY *h) {                                                                                 \
+    const int64_t n = c->rows, H = c->H, hd = c->hd, nq = (c->Hq + 2 * c->Hkv) * hd, qw = c->Hq * hd;   \
+    TY *cqkv = c->qkv, *cqbuf = c->qbuf, *cattn = c->attn, *cproj = c->proj, *cgu = c->gu, *cact = c->act; \
+    NAME##_product(qkv, n, h, cqkv);                                                                    \
+    /* every group's rotary and KV writes, then every group's attention, each one parallel loop:        \
+     * a batch's requests are groups of a few rows, too little work apiece to share two threads */      \
+    const int64_t ng = c->ngroups;                                                                      \
+    attn_call *calls = malloc(ng * sizeof *calls);                                                      \
+    rope_call *ropes = malloc(ng * sizeof *ropes);                                                      \
+    int64_t *token0 = malloc((ng + 1) * sizeof *token0), *item0 = malloc((ng + 1) * sizeof *item0);     \
+    token0[0] = item0[0] = 0;                                                                           \
+    for (int64_t i = 0; i < ng; i++) {                                                                  \
+        const attn_group *g = c->groups + i;                                                            \
+        const TY *q = cqkv + g->row0 * nq;                                                               \
+        const int64_t *kv = g->kv + layer * 2 * g->B;                                                   \
+        calls[i] = (attn_call){(int)g->B, (int)g->T, (int)c->Hq, (int)c->Hkv, (int)hd, (int)g->S,         \
+                               cqbuf + g->row0 * qw, g->T * qw, qw, hd, kv, kv + g->B, g->ksh, g->kss,    \
+                               g->mask, g->msb, g->mst, cattn + g->row0 * qw, g->T * qw, qw, hd, c->scale}; \
+        ropes[i] = (rope_call){q, g->T * nq, nq, hd, q + qw, g->T * nq, nq, hd, q + qw + c->Hkv * hd,       \
+                               g->T * nq, nq, hd, g->cos, g->sin, g->csb, g->cst, g->slots, g->ssb,       \
+                               cqbuf + g->row0 * qw};                                                   \
+        token0[i + 1] = token0[i] + g->B * g->T;                                                        \
+        item0[i + 1] = item0[i] + attn_items(calls + i);                                                \
+    }                                                                                                   \
+    _Pragma("omp parallel for if (token0[ng] > 16)")                                                    \
+    for (int64_t t = 0; t < token0[ng]; t++) {                                                          \
+        int64_t i = group_of(token0, ng, t);                                                            \
+        ROPE_TOKEN(calls + i, ropes + i, t - token0[i]);                                                \
+    }                                                                                                   \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                                    \
+    for (int64_t it = 0; it < item0[ng]; it++) {                                                        \
+        int64_t i = group_of(item0, ng, it);                                                            \
+        ATTEND_ITEM(calls + i, it - item0[i]);                                                          \
+    }                                                                                                   \
+    free(calls), free(ropes), free(token0), free(item0);                                                \
+    NAME##_product(o, n, cattn, cproj);                                                                 \
+    ADD_RMS_NORM(n, (int)H, x, H, cproj, H, norm, c->eps, x, H, h, H);                                  \
+    NAME##_product(gate_up, n, h, cgu);                                                                 \
+    SILU_MUL(n, c->I, cgu, cact);                                                                       \
+    NAME##_product(down, n, cact, cproj);                                                               \
+    ADD_RMS_NORM(n, (int)H, x, H, cproj, H, next_norm, c->eps, x, H, h, H);                             \
 }
 
-void layer_bf16(const layer_call *c, int64_t layer, const packed_product *qkv, const packed_product *o,
-                const packed_product *gate_up, const packed_product *down, const uint16_t *norm,
-                const uint16_t *next_norm, uint16_t *x, uint16_t *h) {
-    const int64_t n = c->rows, H = c->H, hd = c->hd, nq = (c->Hq + 2 * c->Hkv) * hd, qw = c->Hq * hd;
-    run_product(qkv, n, h, c->qkv);
-    /* every group's rotary and KV writes, then every group's attention, each one parallel loop:
-     * a batch's requests are groups of a few rows, too little work apiece to share two threads */
-    const int64_t ng = c->ngroups;
-    attn_call *calls = malloc(ng * sizeof *calls);
-    rope_call *ropes = malloc(ng * sizeof *ropes);
-    int64_t *token0 = malloc((ng + 1) * sizeof *token0), *item0 = malloc((ng + 1) * sizeof *item0);
-    token0[0] = item0[0] = 0;
-    for (int64_t i = 0; i < ng; i++) {
-        const attn_group *g = c->groups + i;
-        const uint16_t *q = c->qkv + g->row0 * nq;
-        const int64_t *kv = g->kv + layer * 2 * g->B;
-        calls[i] = (attn_call){(int)g->B, (int)g->T, (int)c->Hq, (int)c->Hkv, (int)hd, (int)g->S,
-                               c->qbuf + g->row0 * qw, g->T * qw, qw, hd, kv, kv + g->B, g->ksh, g->kss,
-                               g->mask, g->msb, g->mst, c->attn + g->row0 * qw, g->T * qw, qw, hd, c->scale};
-        ropes[i] = (rope_call){q, g->T * nq, nq, hd, q + qw, g->T * nq, nq, hd, q + qw + c->Hkv * hd, g->T * nq, nq, hd,
-                               g->cos, g->sin, g->csb, g->cst, g->slots, g->ssb, c->qbuf + g->row0 * qw};
-        token0[i + 1] = token0[i] + g->B * g->T;
-        item0[i + 1] = item0[i] + attn_items(calls + i);
-    }
-    #pragma omp parallel for if (token0[ng] > 16)
-    for (int64_t t = 0; t < token0[ng]; t++) {
-        int64_t i = group_of(token0, ng, t);
-        rope_attend_bf16_token(calls + i, ropes + i, t - token0[i]);
-    }
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t it = 0; it < item0[ng]; it++) {
-        int64_t i = group_of(item0, ng, it);
-        attend_bf16_item(calls + i, it - item0[i]);
-    }
-    free(calls), free(ropes), free(token0), free(item0);
-    run_product(o, n, c->attn, c->proj);
-    add_rms_norm_bf16(n, (int)H, x, H, c->proj, H, norm, c->eps, x, H, h, H);
-    run_product(gate_up, n, h, c->gu);
-    silu_mul_bf16(n, c->I, c->gu, c->act);
-    run_product(down, n, c->act, c->proj);
-    add_rms_norm_bf16(n, (int)H, x, H, c->proj, H, next_norm, c->eps, x, H, h, H);
-}
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+DEFINE_LAYER(layer_bf16, uint16_t, product_bf16, add_rms_norm_bf16, silu_mul_bf16, rope_attend_bf16_token,
+             attend_bf16_item)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+DEFINE_LAYER(layer_f32, float, product_f32, add_rms_norm_f32, silu_mul_f32, rope_attend_f32_token,
+             attend_f32_item)
 #endif

@@ -1,5 +1,5 @@
 """Batch-invariant kernels on a CPU — attention, the residual add with RMSNorm in bf16, bf16
-products and a whole bf16 layer in one call — from ``batch_invariant.c``, built for this host
+and fp32 products and a whole bf16 layer in one call — from ``batch_invariant.c``, built for this host
 with the system's C compiler and loaded through ctypes (the batch-invariant backend's kernels:
 ``runtime/backends/batch_invariant.py``).
 
@@ -92,15 +92,21 @@ def library() -> ctypes.CDLL | None:
         fn.restype = None
         fn.argtypes = [i, i, i, i, i, p, i64, i64, i64, p, i64, i64, i64, p, i64, i64, i64, p, p, i64, i64, p, i64,
                        p, p, i64, i64, p, i64, i64, i, p, p, i64, i64, i64, f]
-    lib.add_rms_norm_bf16.restype = None
-    lib.add_rms_norm_bf16.argtypes = [i64, i, p, i64, p, i64, p, f, p, i64, p, i64]
-    lib.silu_mul_bf16.restype, lib.silu_mul_bf16.argtypes = None, [i64, i64, p, p]
+    for fn in (lib.add_rms_norm_f32, lib.add_rms_norm_bf16):
+        fn.restype, fn.argtypes = None, [i64, i, p, i64, p, i64, p, f, p, i64, p, i64]
+    for fn in (lib.silu_mul_f32, lib.silu_mul_bf16):
+        fn.restype, fn.argtypes = None, [i64, i64, p, p]
+    layer_args = [ctypes.POINTER(LayerCall), i64, *[ctypes.POINTER(ProductArgs)] * 4, p, p, p, p]
     lib.product_tiles.restype, lib.product_tiles.argtypes = i, []
     if lib.product_tiles():
         lib.pack_bf16.restype, lib.pack_bf16.argtypes = None, [i64, i64, p, p]
         lib.product_bf16.restype, lib.product_bf16.argtypes = None, [i64, i64, i64, p, i64, p, p, p, i64]
-        lib.layer_bf16.restype = None
-        lib.layer_bf16.argtypes = [ctypes.POINTER(LayerCall), i64, *[ctypes.POINTER(ProductArgs)] * 4, p, p, p, p]
+        lib.layer_bf16.restype, lib.layer_bf16.argtypes = None, layer_args
+    lib.product_f32_cols.restype, lib.product_f32_cols.argtypes = i, []
+    if lib.product_f32_cols():
+        lib.pack_f32.restype, lib.pack_f32.argtypes = None, [i64, i64, p, p]
+        lib.product_f32.restype, lib.product_f32.argtypes = None, [i64, i64, i64, p, i64, p, p, p, i64]
+        lib.layer_f32.restype, lib.layer_f32.argtypes = None, layer_args
     return lib
 
 
@@ -114,10 +120,18 @@ def available() -> bool:
     return library() is not None
 
 
-def products_available() -> bool:
-    """Whether this host's build has the bf16 product (it needs 512-bit vectors)."""
+def products_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this host's build has the ``dtype`` product (bf16 needs 512-bit vectors, fp32 AVX2)."""
+    return product_cols(dtype) > 0
+
+
+def product_cols(dtype: torch.dtype) -> int:
+    """How many outputs a group of the ``dtype`` product's blocked layout holds (0: no such product here)."""
     lib = library()
-    return lib is not None and lib.product_tiles() > 0
+    if lib is None:
+        return 0
+    return {torch.bfloat16: lambda: 16 * lib.product_tiles(), torch.float32: lib.product_f32_cols}.get(
+        dtype, lambda: 0)()
 
 
 def loaded() -> ctypes.CDLL:
@@ -129,10 +143,10 @@ def loaded() -> ctypes.CDLL:
 
 
 def by_dtype(kernel: str, dtype: torch.dtype):
-    """The attention ``kernel``'s build for ``dtype`` (``attend_f32``, ``rope_attend_bf16``, ...)."""
+    """The ``kernel``'s build for ``dtype`` (``attend_f32``, ``rope_attend_bf16``, ``layer_f32``, ...)."""
     suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
     if suffix is None:
-        raise TypeError(f"batch-invariant attention takes fp32 or bf16, not {dtype}")
+        raise TypeError(f"the batch-invariant kernels take fp32 or bf16, not {dtype}")
     return getattr(loaded(), f"{kernel}_{suffix}")
 
 
@@ -213,28 +227,28 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream ``s = x + y`` (``x`` alone when y is None) and its RMSNorm
-    ``weight * norm(s)``, both bf16 rounded as torch's bf16 ops round them, in one call row by
-    row. x, y: [..., D] bf16, contiguous; weight: [D] bf16. Returns (s, normed)."""
-    lib = loaded()
+    ``weight * norm(s)`` in one call row by row, in x's dtype (bf16 rounded as torch's bf16 ops
+    round them). x, y: [..., D] fp32 or bf16, contiguous; weight: [D] alike. Returns (s, normed)."""
+    fn = by_dtype("add_rms_norm", x.dtype)
     if not x.is_contiguous() or y is not None and not y.is_contiguous():
         raise ValueError("add_rms_norm takes contiguous rows")
     d = x.shape[-1]
     rows = x.numel() // d
-    out = torch.empty((2, *x.shape), dtype=torch.bfloat16)  # the sum, then its norm
+    out = torch.empty((2, *x.shape), dtype=x.dtype)  # the sum, then its norm
     at = out.data_ptr()
-    lib.add_rms_norm_bf16(rows, d, x.data_ptr(), d, None if y is None else y.data_ptr(), d, weight.data_ptr(), eps,
-                          at, d, at + rows * d * out.element_size(), d)
+    fn(rows, d, x.data_ptr(), d, None if y is None else y.data_ptr(), d, weight.data_ptr(), eps,
+       at, d, at + rows * d * out.element_size(), d)
     return out.unbind(0)
 
 
 class ProductArgs(ctypes.Structure):
-    """A packed weight as ``layer_bf16`` takes it."""
+    """A packed weight as ``layer_bf16`` and ``layer_f32`` take it."""
 
     _fields_ = [("w", ctypes.c_void_p), ("b", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
 class AttentionGroup(ctypes.Structure):
-    """One attention call of a layer (``layer_bf16``): B batch rows of T tokens at rows
+    """One attention call of a layer (``layer_bf16``, ``layer_f32``): B batch rows of T tokens at rows
     [row0, row0 + B·T) of the call, each with its arena row per layer (``kv``: [layers, 2, B]
     addresses, keys then values; the arena's KV-head and slot strides), slots [B, T], mask
     [B, T, S] and rotary tables [B, T, hd]."""
@@ -247,8 +261,8 @@ class AttentionGroup(ctypes.Structure):
 
 
 class LayerCall(ctypes.Structure):
-    """What every layer of one forward shares (``layer_bf16``): shapes, the attention groups and
-    scratch buffers."""
+    """What every layer of one forward shares (``layer_bf16``, ``layer_f32``): shapes, the
+    attention groups and scratch buffers (in the layer's dtype)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("rows", "H", "Hq", "Hkv", "hd", "I", "ngroups")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("groups", ctypes.POINTER(AttentionGroup))] + [
@@ -257,10 +271,10 @@ class LayerCall(ctypes.Structure):
 
 @dataclass(frozen=True)
 class BlockedWeight:
-    """A bf16 weight [N, K] in ``product``'s blocked layout, with its bias as fp32 (or None)."""
+    """A weight [N, K] in ``product``'s blocked layout for its dtype, with its bias as fp32 (or None)."""
 
-    weight: torch.Tensor  # [groups · COLS · K] bf16
-    bias: torch.Tensor | None  # [groups · COLS] fp32, zero past N
+    weight: torch.Tensor  # [groups · cols · K], the weight's dtype
+    bias: torch.Tensor | None  # [groups · cols] fp32, zero past N
     out_features: int
     in_features: int
 
@@ -270,20 +284,26 @@ class BlockedWeight:
                            self.out_features, self.in_features)
 
 
+# dtype -> (its packing, its product)
+_PRODUCTS = {torch.bfloat16: ("pack_bf16", "product_bf16"), torch.float32: ("pack_f32", "product_f32")}
+
+
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockedWeight:
-    """``weight`` [N, K] (bf16, K even) and its bias laid out for ``product``: a copy as large
-    as the weight, padded to whole groups of columns."""
+    """``weight`` [N, K] (bf16 with K even, or fp32) and its bias laid out for ``product``: a
+    copy as large as the weight, padded to whole groups of columns."""
     lib = loaded()
-    if not lib.product_tiles():
-        raise RuntimeError("this host's build of the kernels has no bf16 product (it needs 512-bit vectors)")
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16 or k % 2:
-        raise ValueError(f"the bf16 product takes bf16 weights with an even input width, not {weight.dtype} [{n}, {k}]")
-    cols = 16 * lib.product_tiles()
+    if weight.dtype not in _PRODUCTS or weight.dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"the products take bf16 weights with an even input width or fp32 weights, "
+                         f"not {weight.dtype} [{n}, {k}]")
+    cols = product_cols(weight.dtype)
+    if not cols:
+        needs = "512-bit vectors" if weight.dtype == torch.bfloat16 else "AVX2 and FMA"
+        raise RuntimeError(f"this host's build of the kernels has no {weight.dtype} product (it needs {needs})")
     groups = -(-n // cols)
     weight = weight.detach().contiguous()
-    blocked = torch.empty(groups * cols * k, dtype=torch.bfloat16)
-    lib.pack_bf16(n, k, weight.data_ptr(), blocked.data_ptr())
+    blocked = torch.empty(groups * cols * k, dtype=weight.dtype)
+    getattr(lib, _PRODUCTS[weight.dtype][0])(n, k, weight.data_ptr(), blocked.data_ptr())
     padded = None
     if bias is not None:
         padded = torch.zeros(groups * cols, dtype=torch.float32)
@@ -292,25 +312,28 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockedWeigh
 
 
 def product(x: torch.Tensor, w: BlockedWeight) -> torch.Tensor:  # [M, K] -> [M, N]
-    """``x @ Wᵀ + bias`` in bf16 with fp32 accumulation, every row's numbers independent of the
-    others' (x: bf16 rows, the last dim contiguous)."""
-    if x.dtype != torch.bfloat16 or x.shape[-1] != w.in_features:
-        raise ValueError(f"the bf16 product takes bf16 rows of {w.in_features}, not {x.dtype} {list(x.shape)}")
+    """``x @ Wᵀ + bias`` in the weight's dtype with fp32 accumulation, every row's numbers
+    independent of the others' (x: rows in that dtype, the last dim contiguous)."""
+    dtype = w.weight.dtype
+    if x.dtype != dtype or x.shape[-1] != w.in_features:
+        raise ValueError(f"this product takes {dtype} rows of {w.in_features}, not {x.dtype} {list(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    y = torch.empty(m, w.out_features, dtype=torch.bfloat16)
-    library().product_bf16(m, w.out_features, w.in_features, x.data_ptr(), x.stride(0), w.weight.data_ptr(),
-                           None if w.bias is None else w.bias.data_ptr(), y.data_ptr(), w.out_features)
+    y = torch.empty(m, w.out_features, dtype=dtype)
+    getattr(library(), _PRODUCTS[dtype][1])(m, w.out_features, w.in_features, x.data_ptr(), x.stride(0),
+                                            w.weight.data_ptr(), None if w.bias is None else w.bias.data_ptr(),
+                                            y.data_ptr(), w.out_features)
     return y
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2·I] -> [M, I]
-    """``silu(gate) * up`` of bf16 rows holding gate then up, rounded as torch's bf16 ops round
-    them (what ``layer_bf16`` computes between its MLP products)."""
-    if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous():
-        raise ValueError("silu_mul takes contiguous bf16 rows")
+    """``silu(gate) * up`` of rows holding gate then up (fp32, or bf16 rounded as torch's bf16
+    ops round them): what the one-call layers compute between their MLP products."""
+    fn = by_dtype("silu_mul", gate_up.dtype)
+    if not gate_up.is_contiguous():
+        raise ValueError("silu_mul takes contiguous rows")
     m, width = gate_up.shape
-    out = torch.empty(m, width // 2, dtype=torch.bfloat16)
-    loaded().silu_mul_bf16(m, width // 2, gate_up.data_ptr(), out.data_ptr())
+    out = torch.empty(m, width // 2, dtype=gate_up.dtype)
+    fn(m, width // 2, gate_up.data_ptr(), out.data_ptr())
     return out

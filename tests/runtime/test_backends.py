@@ -119,6 +119,39 @@ def test_auto_chooses_by_device_dtype_and_a_cached_probe(tmp_path, monkeypatch):
         assert bf16.backend.name == "batch_invariant"
 
 
+@pytest.mark.skipif(not batch_invariant.kernels.products_available(torch.float32), reason="no AVX2 here")
+def test_auto_takes_fp32_batch_invariant_forwards_where_a_cached_probe_finds_them_fast(tmp_path, monkeypatch):
+    """An fp32 target that decodes: the batch-invariant backend against what ``auto`` would take
+    otherwise, timed once and cached; a later load that finds batch-invariant chosen builds
+    nothing else, and the margin goes the way the cached timings say."""
+    from schemafill.runtime.backends import eager
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = hf_model("llama", seed=9)
+    built = []
+
+    def choose():
+        target = from_hf_model(model, backend="eager")
+        return batch_invariant.choose(target, lambda why: built.append(why) or eager.build(target, why=why))
+
+    chosen = choose()
+    (entry,) = (tmp_path / "schemafill" / "backends").glob("*.json")
+    saved = json.loads(entry.read_text())
+    assert len(built) == 1 and saved["other"] == "eager" and saved["invariant_ms"] > 0 and saved["other_ms"] > 0
+    fast = saved["invariant_ms"] <= batch_invariant.MARGIN * saved["other_ms"]
+    assert chosen.name == ("batch_invariant" if fast else "eager") and "timed probe" in chosen.summary()["why"]
+    for invariant_ms, expected, builds in ((1.04 * saved["other_ms"], "batch_invariant", 0),
+                                           (1.06 * saved["other_ms"], "eager", 1)):
+        entry.write_text(json.dumps({**saved, "invariant_ms": invariant_ms}))
+        before = len(built)
+        again = choose()
+        assert again.name == expected and len(built) - before == builds
+        assert "(cached)" in again.summary()["why"]
+    # ``auto`` asks it for an fp32 target that decodes (the entry above says eager)
+    target = from_hf_model(model, backend="eager")
+    assert backends.attach(target, "auto", decodes=True).backend.summary()["why"].startswith("auto: timed probe (cached)")
+
+
 def test_compiled_calls_reach_as_many_rows_as_whole_calls_measured_faster():
     assert compiled.widest(4, {}) == 4
     assert compiled.widest(4, {"8": [100.0, 70.0], "16": [150.0, 149.0], "32": [200.0, 100.0]}) == 8  # 32 not reached

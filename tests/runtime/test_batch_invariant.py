@@ -1,5 +1,5 @@
 """Batch-invariant attention and forwards: a row's numbers do not depend on what else its call
-holds, so a verification row is the same bits as the one-row AR step (in bf16 too)."""
+holds, so a verification row is the same bits as the one-row AR step (in fp32 and bf16)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler o
 bf16_forwards = pytest.mark.skipif(not possible(torch.bfloat16), reason="oneDNN packs no bf16 weights here")
 bf16_products = pytest.mark.skipif(not kernels.products_available(), reason="no 512-bit vectors here")
 fp32_forwards = pytest.mark.skipif(not possible(torch.float32), reason="no oneDNN here")
+# the kernels' own product, per dtype: bf16 where 512-bit vectors are, fp32 where AVX2 is
+OWN_PRODUCTS = [pytest.param(torch.float32, marks=pytest.mark.skipif(
+                    not kernels.products_available(torch.float32), reason="no AVX2 here")),
+                pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+                    not kernels.products_available(torch.bfloat16), reason="no 512-bit vectors here"))]
+
+
+def invariant_target(model: torch.nn.Module, dtype: torch.dtype):
+    """``model`` in ``dtype`` on the batch-invariant backend (an fp32 one asked for by name:
+    a target that only generates batches takes eager under ``auto``)."""
+    return from_hf_model(model.to(dtype), backend="batch_invariant")
 
 HQ, HKV = 6, 2
 
@@ -115,14 +126,14 @@ def test_batch_rows_read_their_own_arena_rows():
 FORWARDS = [("llama", {}, 9), ("qwen2", {}, 9), ("qwen3", {}, 9), ("llama", {"hidden_size": 128}, 30)]
 
 
-@bf16_forwards
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=fp32_forwards),
+                                   pytest.param(torch.bfloat16, marks=bf16_forwards)])
 @pytest.mark.parametrize("family, overrides, n", FORWARDS, ids=["llama", "qwen2", "qwen3", "llama-hd32"])
-def test_a_bf16_tree_row_is_the_ar_step_bit_for_bit(family, overrides, n):
+def test_a_tree_row_is_the_ar_step_bit_for_bit(family, overrides, n, dtype):
     """The whole forward: AR steps one token at a time against one call holding the same
     chain interleaved with siblings at the same positions (slots the chain does not see)."""
-    model = hf_model(family, seed=11, **overrides).to(torch.bfloat16)
-    target = from_hf_model(model)
-    assert isinstance(target.backend, BatchInvariant) and target.dtype == torch.bfloat16
+    target = invariant_target(hf_model(family, seed=11, **overrides), dtype)
+    assert isinstance(target.backend, BatchInvariant) and target.dtype == dtype
     rng = random.Random(0)
     prompt, chain = [rng.randrange(VOCAB) for _ in range(37)], [rng.randrange(VOCAB) for _ in range(n)]
     p, width = len(prompt), len(prompt) + 2 * len(chain)
@@ -169,47 +180,50 @@ def test_the_batch_invariant_fp32_forward_is_transformers(family):
                                atol=1e-4, rtol=0)
 
 
-def test_the_fused_residual_add_and_norm_rounds_as_torch_does():
-    x, y = torch.randn(7, 64).to(torch.bfloat16), torch.randn(7, 64).to(torch.bfloat16)
-    norm = RMSNorm(64, 1e-5).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_residual_add_and_norm_rounds_as_torch_does(dtype):
+    x, y = torch.randn(7, 64).to(dtype), torch.randn(7, 64).to(dtype)
+    norm = RMSNorm(64, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(64) + 0.5)
     s, h = kernels.add_rms_norm(x, y, norm.weight, 1e-5)
-    assert torch.equal(s, x + y)
-    torch.testing.assert_close(h, norm(x + y), atol=0, rtol=2 ** -7)  # at most one bf16 rounding apart
+    assert torch.equal(s, x + y) and h.dtype == dtype
+    # bf16: at most one rounding apart; fp32: the sum of squares in another order
+    torch.testing.assert_close(h, norm(x + y), atol=0, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6)
     alone, h0 = kernels.add_rms_norm(x, None, norm.weight, 1e-5)
     assert torch.equal(alone, x) and torch.equal(h0[3], kernels.add_rms_norm(x[3:4], None, norm.weight, 1e-5)[1][0])
 
 
-@bf16_products
+@pytest.mark.parametrize("dtype", OWN_PRODUCTS)
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (100, 38), (7, 1536)])
-def test_the_bf16_product_is_the_product(out_features, in_features):
-    """Against the fp32 product of the same bf16 numbers: one bf16 rounding of the result apart
-    (widths that fill whole 48-column groups, and ones that leave the last group ragged)."""
+def test_the_product_is_the_product(out_features, in_features, dtype):
+    """Against the fp32 product of the same numbers in float64: bf16 one rounding of the result
+    apart, fp32 a sum in another order apart (widths that fill whole groups of columns, and ones
+    that leave the last group ragged)."""
     g = torch.Generator().manual_seed(out_features)
-    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
-    bias = torch.randn(out_features, generator=g).to(torch.bfloat16)
-    x = torch.randn(11, in_features, generator=g).to(torch.bfloat16)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    x = torch.randn(11, in_features, generator=g).to(dtype)
     for b in (None, bias):
         y = kernels.product(x, kernels.pack(w, b))
-        ref = x.float() @ w.float().T + (0 if b is None else b.float())
-        assert y.dtype == torch.bfloat16 and y.shape == (11, out_features)
-        torch.testing.assert_close(y.float(), ref, atol=1e-5, rtol=2 ** -8)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert y.dtype == dtype and y.shape == (11, out_features)
+        tolerance = {"atol": 1e-5, "rtol": 2 ** -8} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-5}
+        torch.testing.assert_close(y.double(), ref, **tolerance)
 
 
-@bf16_products
-def test_a_row_gets_the_same_product_bits_alone_and_among_many():
-    """Rows are computed eight to a pass and in chunks of 64 sharing the weights: every way of
+@pytest.mark.parametrize("dtype", OWN_PRODUCTS)
+def test_a_row_gets_the_same_product_bits_alone_and_among_many(dtype):
+    """Rows are computed a few to a pass and in chunks of 64 sharing the weights: every way of
     cutting the call gives each row the same bits, as do strided inputs. Inputs of mixed
-    magnitudes, so that summing in another order shows through the bf16 rounding."""
+    magnitudes, so that summing in another order would show through the rounding."""
     g = torch.Generator().manual_seed(3)
-    w = kernels.pack(torch.randn(200, 576, generator=g).to(torch.bfloat16),
-                           torch.randn(200, generator=g).to(torch.bfloat16))
-    x = (torch.randn(150, 576, generator=g) * 2.0 ** torch.randint(-6, 7, (150, 576), generator=g)).to(torch.bfloat16)
+    w = kernels.pack(torch.randn(200, 576, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype))
+    x = (torch.randn(150, 576, generator=g) * 2.0 ** torch.randint(-6, 7, (150, 576), generator=g)).to(dtype)
     together = kernels.product(x, w)
     for start, n in [(r, 1) for r in range(150)] + [(3, 5), (60, 9), (10, 70), (0, 150)]:
         assert torch.equal(kernels.product(x[start:start + n], w), together[start:start + n]), (start, n)
-    wide = torch.randn(150, 1000, generator=g).to(torch.bfloat16)
+    wide = torch.randn(150, 1000, generator=g).to(dtype)
     wide[:, 100:676] = x
     assert torch.equal(kernels.product(wide[:, 100:676], w), together)
 
@@ -218,37 +232,47 @@ def test_a_row_gets_the_same_product_bits_alone_and_among_many():
 def test_the_bf16_product_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="even input width"):
         kernels.pack(torch.zeros(4, 7, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="even input width"):
-        kernels.pack(torch.zeros(4, 8))
-    with pytest.raises(ValueError, match="bf16 rows of 8"):
+    with pytest.raises(ValueError, match="bfloat16 rows of 8"):
         kernels.product(torch.zeros(2, 6, dtype=torch.bfloat16), kernels.pack(torch.zeros(4, 8).bfloat16()))
 
 
-@bf16_products
-def test_a_bf16_target_runs_its_products_on_the_batch_invariant_kernel():
-    invariant = from_hf_model(hf_model("qwen2", seed=2).to(torch.bfloat16))  # Q/K/V with a bias
+@pytest.mark.parametrize("dtype", OWN_PRODUCTS)
+def test_the_products_refuse_what_they_cannot_compute(dtype):
+    with pytest.raises(ValueError, match="fp32 weights, not torch.float64"):
+        kernels.pack(torch.zeros(4, 8, dtype=torch.float64))
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    with pytest.raises(ValueError, match=f"takes {dtype} rows of 8"):
+        kernels.product(torch.zeros(2, 8, dtype=other), kernels.pack(torch.zeros(4, 8, dtype=dtype)))
+
+
+@pytest.mark.parametrize("dtype", OWN_PRODUCTS)
+def test_a_target_runs_its_products_on_the_batch_invariant_kernel(dtype):
+    invariant = invariant_target(hf_model("qwen2", seed=2), dtype)  # Q/K/V with a bias
     backend = invariant.backend
     assert isinstance(backend, BatchInvariant) and isinstance(backend.product, Blocked)
     assert set(backend.product.weights) == set(invariant.linears) and backend.product.describe().endswith("blocked")
 
 
-def test_silu_mul_rounds_as_torch_does():
-    gu = (torch.randn(9, 2 * 40) * 4).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_rounds_as_torch_does(dtype):
+    gu = (torch.randn(9, 2 * 40) * 4).to(dtype)
     gate, up = gu.chunk(2, dim=-1)
-    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up, atol=0, rtol=2 ** -7)
+    out = kernels.silu_mul(gu)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=0, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6)
 
 
-@bf16_products
+@pytest.mark.parametrize("dtype", OWN_PRODUCTS)
 @pytest.mark.parametrize("family, overrides", [("llama", {}), ("qwen2", {}), ("llama", {"hidden_size": 128})],
                          ids=["llama", "qwen2", "llama-hd32"])
-def test_one_call_a_layer_is_the_layer_by_layer_forward(family, overrides):
-    """``layer_bf16`` chains the kernels the layer-by-layer path calls: the same logits, features
-    and arena contents bit for bit — batch rows on their own arena rows (one in reverse), and a
-    packed call of two requests with a tree, each over its own arena (of its own capacity), the
-    two requests' attention run as one loop."""
+def test_one_call_a_layer_is_the_layer_by_layer_forward(family, overrides, dtype):
+    """``layer_bf16`` / ``layer_f32`` chain the kernels the layer-by-layer path calls: the same
+    logits, features and arena contents bit for bit — batch rows on their own arena rows (one in
+    reverse), and a packed call of two requests with a tree, each over its own arena (of its own
+    capacity), the two requests' attention run as one loop."""
     from schemafill.runtime.calls import Part
 
-    invariant = from_hf_model(hf_model(family, seed=9, **overrides).to(torch.bfloat16))
+    invariant = invariant_target(hf_model(family, seed=9, **overrides), dtype)
     fused = invariant.backend.layer_calls
     assert fused is not None
     g = torch.Generator().manual_seed(1)
@@ -303,10 +327,10 @@ def test_the_cost_curve_of_a_batch_invariant_target_is_its_own():
     assert kernels.build_id() not in host_key(plain, plain.device, plain.dtype)
 
 
-@bf16_products
-def test_a_write_past_the_arena_is_refused_not_made():
+@pytest.mark.parametrize("dtype", OWN_PRODUCTS)
+def test_a_write_past_the_arena_is_refused_not_made(dtype):
     # arenas of two rows: a one-row arena may come from the target's stock with room to spare
-    invariant = from_hf_model(hf_model("llama", seed=3).to(torch.bfloat16))
+    invariant = invariant_target(hf_model("llama", seed=3), dtype)
     pos = torch.arange(4)[None]
     with pytest.raises(ValueError, match="arena holds 6"):
         invariant.forward(torch.zeros(1, 4, dtype=torch.long), pos, causal_visibility(pos, 4), pos + 3,

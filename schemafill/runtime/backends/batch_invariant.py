@@ -302,7 +302,6 @@ def choose(target: Target, other: Callable[[str], Backend], cache_dir=None) -> B
     if saved["invariant_ms"] <= MARGIN * saved["other_ms"]:
         invariant.why = f"auto: {measured}: batch-invariant"
         return invariant
-    if fallback is None:
-        return other(f"auto: {measured}: {saved['other']}")
-    fallback.why = f"auto: {measured}: {fallback.name}; {fallback.why}"
+    fallback = fallback or other("auto: not batch-invariant")
+    fallback.why = f"auto: {measured}: {saved['other']}; {fallback.why}"
     return fallback

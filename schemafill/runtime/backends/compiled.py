@@ -19,7 +19,8 @@ range can still be mostly the small ops around them. Bigger calls run on the eag
 graphs serve every layer and every covered call (one row, and a few rows traced as a symbol), all
 compiled when the backend is built: no call compiles mid-decode.
 
-On a CPU without batch-invariant kernels (fp32: an AVX2-only host, say) ``auto`` takes it where
+On a CPU target without a batch-invariant forward (fp32 without a C compiler, or where the
+batch-invariant probe finds it slower) ``auto`` takes it where
 a timed probe of one-row steps after 512 positions finds it faster than eager (``choose``,
 cached per host and shape).
 """

@@ -31,7 +31,7 @@ FALLBACK = "schemafill.runtime.backends.eager"  # what the other backends run th
 # what a backend runs: none of them may reach a backend, even through another module
 BENEATH_BACKENDS = ["schemafill.runtime.model", "schemafill.runtime.storage", "schemafill.runtime.calls",
                     "schemafill.runtime.layers", "schemafill.runtime.drafter", "schemafill.runtime.products",
-                    "schemafill.runtime.kernels.batch_invariant"]
+                    "schemafill.runtime.kernels.batch_invariant", "schemafill.runtime.probing"]
 
 
 def project_modules() -> dict[str, Path]:

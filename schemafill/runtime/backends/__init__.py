@@ -14,7 +14,7 @@ why are recorded (``Backend.summary``); no backend reads another's flags in its 
 
 Adding a backend is adding a module here and a line in ``BUILDERS``.
 
-May import: the model, storage, calls, kernels and products of ``schemafill.runtime``; the
+May import: the model, storage, calls, kernels, products and probing of ``schemafill.runtime``; the
 model and storage never import a backend (``tests/test_architecture.py``).
 """
 

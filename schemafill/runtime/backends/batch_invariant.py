@@ -23,18 +23,17 @@ import torch
 from torch import nn
 
 from schemafill.runtime import host, host_cache, products
+from schemafill.runtime import probing
 from schemafill.runtime.calls import Backend, Forward, Part, Product
 from schemafill.runtime.kernels import batch_invariant as kernels
 from schemafill.runtime.layers import signed_sin
 from schemafill.runtime.model import Target
 from schemafill.runtime.storage import KVArena
-from schemafill.runtime.timing import alternating_ms
 
 
 # an fp32 target takes batch-invariant forwards where the decode loop's calls take at most this
 # share of the other backend's time: lossless by construction is worth a few percent
 MARGIN = 1.05
-PROBE_CONTEXT = 512  # committed positions the choice's calls attend to
 PROBE_ROWS = (1, 8)  # an AR step and a verification, timed together
 
 
@@ -244,38 +243,11 @@ def build(target: Target, why: str = "") -> BatchInvariant | None:
     return BatchInvariant(target, Blocked(linears) if blocked else products.packed_everywhere(linears), why)
 
 
-def probe(target: Target, backends: list[Backend], rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5
-          ) -> list[float]:
-    """Milliseconds of decode calls on each backend, timed in turn: for each of ``rows``, a call
-    of that many rows after ``PROBE_CONTEXT`` positions (each backend prefills its own arena
-    first, untimed), summed."""
-    n = max(rows)
-    width = PROBE_CONTEXT + n
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g)
-    positions = torch.arange(width)[None]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
-    calls = []
-    for backend in backends:
-        arena = backend.new_arena(1, width)
-        context = slice(0, PROBE_CONTEXT)
-        backend.forward(tokens[:, context], positions[:, context], causal[:, context, context], positions[:, context],
-                        arena)
-
-        def decode(backend=backend, arena=arena) -> None:
-            for r in rows:
-                s = slice(PROBE_CONTEXT, PROBE_CONTEXT + r)
-                backend.forward(tokens[:, s], positions[:, s], causal[:, s, :s.stop], positions[:, s], arena)
-
-        calls.append(decode)
-    return alternating_ms(calls, target.device, repeats)
-
-
 @torch.inference_mode()
 def choose(target: Target, other: Callable[[str], Backend], cache_dir=None) -> Backend:
     """For an fp32 CPU target whose kernels have their own fp32 product: the batch-invariant
     backend where a timed probe of the decode loop's calls (``PROBE_ROWS`` after
-    ``PROBE_CONTEXT`` positions) finds it within ``MARGIN`` of the backend ``auto`` would take
+    ``probing.CONTEXT`` positions) finds it within ``MARGIN`` of the backend ``auto`` would take
     otherwise (``other(why)`` builds it, told why), else that one. The timings are cached per
     host, target shape and kernels' build, so a later launch that finds batch-invariant chosen
     builds nothing else; the choice and why are the backend's ``summary``."""
@@ -292,7 +264,7 @@ def choose(target: Target, other: Callable[[str], Backend], cache_dir=None) -> B
     if not cached:
         fallback = other("auto: timed against the batch-invariant backend")
         start = time.perf_counter()
-        invariant_ms, other_ms = probe(target, [invariant, fallback])
+        invariant_ms, other_ms = probing.decode_ms(target, [invariant, fallback], PROBE_ROWS)
         saved = {"invariant_ms": round(invariant_ms, 3), "other_ms": round(other_ms, 3), "other": fallback.name,
                  "probe_s": round(time.perf_counter() - start, 1)}
         host_cache.write(path, key, saved, "the batch-invariant probe")

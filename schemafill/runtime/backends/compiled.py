@@ -34,15 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from schemafill.runtime import host, host_cache, products
+from schemafill.runtime import probing
 from schemafill.runtime.backends.eager import Eager, PartsAttention, RowsAttention
 from schemafill.runtime.calls import Forward, Part
 from schemafill.runtime.layers import apply_rotary_rolled, rms_norm, signed_sin
 from schemafill.runtime.model import DecoderLayer, Target, split_heads
 from schemafill.runtime.storage import KVArena
-from schemafill.runtime.timing import alternating_ms
 
 MARGIN = 0.95  # compiled is chosen where its calls take at most this share of eager's time
-PROBE_CONTEXT = 512  # committed positions the probe's calls attend to
 EXTENTS = (8, 16, 32)  # row counts a compiled call may reach past the first range, probed in turn
 
 
@@ -201,31 +200,6 @@ def build(target: Target, eager: Eager, why: str = "") -> Compiled:
     return Compiled(target, eager, why).warm()
 
 
-@torch.inference_mode()
-def probe(target: Target, backends: list, rows: tuple[int, ...] = (1,), repeats: int = 5) -> list[float]:
-    """Milliseconds of decode calls on each backend: for each of ``rows``, a call of that many rows
-    after ``PROBE_CONTEXT`` positions, summed; the backends timed in turn."""
-    dev, n = target.device, max(rows)
-    width = PROBE_CONTEXT + n
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, target.config.vocab_size, (1, width), generator=g)
-    positions = torch.arange(width)[None]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()[None]
-    calls = []
-    for backend in backends:
-        arena = backends[0].new_arena(1, width)  # the context prefilled by the first (eager): it is not timed
-        backends[0].forward(tokens[:, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT],
-                            causal[:, :PROBE_CONTEXT, :PROBE_CONTEXT], positions[:, :PROBE_CONTEXT], arena)
-
-        def decode(backend=backend, arena=arena) -> None:
-            for r in rows:
-                s = slice(PROBE_CONTEXT, PROBE_CONTEXT + r)
-                backend.forward(tokens[:, s], positions[:, s], causal[:, s, :s.stop], positions[:, s], arena)
-
-        calls.append(decode)
-    return alternating_ms(calls, dev, repeats)
-
-
 def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
     """Compiled where a timed probe of one-row steps beats eager by ``MARGIN``, else eager. The
     timings are cached per host, target shape, dtype and eager plan (the first time compiles
@@ -243,8 +217,8 @@ def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
     cached = saved is not None and {"eager_ms", "compiled_ms"} <= set(saved)
     if not cached:
         start = time.perf_counter()
-        probe(target, [eager, compiled], rows, repeats=1)  # compiles, and the host settles after the load
-        eager_ms, compiled_ms = probe(target, [eager, compiled], rows, repeats=15)
+        probing.decode_ms(target, [eager, compiled], rows, repeats=1)  # compiles, and the host settles after the load
+        eager_ms, compiled_ms = probing.decode_ms(target, [eager, compiled], rows, repeats=15)
         saved = {"eager_ms": round(eager_ms, 3), "compiled_ms": round(compiled_ms, 3),
                  "probe_s": round(time.perf_counter() - start, 1)}
         host_cache.write(path, key, saved, "the backend probe")
@@ -258,7 +232,7 @@ def choose(target: Target, eager: Eager, cache_dir=None) -> Eager | Compiled:
         saved["extents"] = {}
         for r in (r for r in EXTENTS if r > compiled.rows):
             # the probe's warm-up call compiles what is not yet (rows are a symbol in its graphs)
-            times = probe(target, [eager, Compiled(target, eager, rows=r)], (r,), repeats=5)
+            times = probing.decode_ms(target, [eager, Compiled(target, eager, rows=r)], (r,), repeats=5)
             saved["extents"][str(r)] = [round(t, 3) for t in times]
             if times[1] > MARGIN * times[0]:
                 break

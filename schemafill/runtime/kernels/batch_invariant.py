@@ -1,5 +1,5 @@
-"""Batch-invariant kernels on a CPU — attention, the residual add with RMSNorm in bf16, bf16
-and fp32 products and a whole bf16 layer in one call — from ``batch_invariant.c``, built for this host
+"""Batch-invariant kernels on a CPU — attention, the residual add with RMSNorm, SiLU·mul, the
+products and a whole layer in one call, in fp32 and bf16 — from ``batch_invariant.c``, built for this host
 with the system's C compiler and loaded through ctypes (the batch-invariant backend's kernels:
 ``runtime/backends/batch_invariant.py``).
 

@@ -484,63 +484,40 @@ void NAME(int B, int Tq, int Hq, int Hkv, int hd,                               
 DEFINE_ATTEND(attend_f32, float, SAME, SAME, block_f32, narrow_f32, slot_block_f32_head)
 DEFINE_ATTEND(attend_bf16, uint16_t, from_bf16, to_bf16, block_bf16, narrow_bf16, slot_block_bf16_head)
 
-/* Residual add and RMSNorm of bf16 rows, as the bf16 torch ops round them: s = bf16(x + y)
- * (y may be NULL: s = x), then out = bf16(w * bf16(s * r)) with r = 1 / sqrt(mean(s²) + eps)
- * in fp32. Row by row, the same operations for every row. */
-void add_rms_norm_bf16(int64_t rows, int dim, const uint16_t *x, int64_t xs, const uint16_t *y, int64_t ys,
-                       const uint16_t *w, float eps, uint16_t *sum, int64_t ss, uint16_t *out, int64_t os) {
-    #pragma omp parallel for if (rows > 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * xs, *yr = y ? y + r * ys : NULL;
-        uint16_t *sr = sum + r * ss, *orow = out + r * os;
-        float acc[16] = {0};  /* lane l sums the squares of elements l, l + 16, ... in order */
-        for (int i0 = 0; i0 < dim; i0 += 16) {
-            int n = dim - i0 < 16 ? dim - i0 : 16;
-            #pragma omp simd
-            for (int l = 0; l < n; l++) {
-                float v = from_bf16(xr[i0 + l]);
-                if (yr) v = from_bf16(to_bf16(v + from_bf16(yr[i0 + l])));
-                sr[i0 + l] = to_bf16(v);
-                acc[l] = fmaf(v, v, acc[l]);
-            }
-        }
-        float t8[8], t4[4];
-        for (int l = 0; l < 8; l++) t8[l] = acc[l] + acc[l + 8];
-        for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
-        float inv = 1.0f / sqrtf(((t4[0] + t4[2]) + (t4[1] + t4[3])) / (float)dim + eps);
-        #pragma omp simd
-        for (int i = 0; i < dim; i++)
-            orow[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(sr[i]) * inv)));
-    }
+/* Residual add and RMSNorm of rows, as torch's ops in the rows' dtype round them: s = x + y (y may
+ * be NULL: s = x), then out = w * (s * r) with r = 1 / sqrt(mean(s²) + eps) in fp32, the squares
+ * summed in sixteen lanes in order; in bf16 each of s, s * r and out rounded to bf16 (ROUND).
+ * Row by row, the same operations for every row. */
+#define ROUND_BF16(x) from_bf16(to_bf16(x))
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                          \
+void NAME(int64_t rows, int dim, const T *x, int64_t xs, const T *y, int64_t ys,                   \
+          const T *w, float eps, T *sum, int64_t ss, T *out, int64_t os) {                         \
+    _Pragma("omp parallel for if (rows > 16)")                                                     \
+    for (int64_t r = 0; r < rows; r++) {                                                           \
+        const T *xr = x + r * xs, *yr = y ? y + r * ys : NULL;                                     \
+        T *sr = sum + r * ss, *orow = out + r * os;                                                \
+        float acc[16] = {0};  /* lane l sums the squares of elements l, l + 16, ... in order */   \
+        for (int i0 = 0; i0 < dim; i0 += 16) {                                                     \
+            int n = dim - i0 < 16 ? dim - i0 : 16;                                                 \
+            _Pragma("omp simd")                                                                    \
+            for (int l = 0; l < n; l++) {                                                          \
+                float v = LOAD(xr[i0 + l]);                                                        \
+                if (yr) v = ROUND(v + LOAD(yr[i0 + l]));                                           \
+                sr[i0 + l] = STORE(v);                                                             \
+                acc[l] = fmaf(v, v, acc[l]);                                                       \
+            }                                                                                      \
+        }                                                                                          \
+        float t8[8], t4[4];                                                                        \
+        for (int l = 0; l < 8; l++) t8[l] = acc[l] + acc[l + 8];                                   \
+        for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];                                     \
+        float inv = 1.0f / sqrtf(((t4[0] + t4[2]) + (t4[1] + t4[3])) / (float)dim + eps);          \
+        _Pragma("omp simd")                                                                        \
+        for (int i = 0; i < dim; i++) orow[i] = STORE(LOAD(w[i]) * ROUND(LOAD(sr[i]) * inv));     \
+    }                                                                                              \
 }
 
-/* Residual add and RMSNorm of fp32 rows: s = x + y (y may be NULL: s = x), then
- * out = w * (s * r) with r = 1 / sqrt(mean(s²) + eps), the squares summed in the lanes and order
- * of ``add_rms_norm_bf16``. Row by row, the same operations for every row. */
-void add_rms_norm_f32(int64_t rows, int dim, const float *x, int64_t xs, const float *y, int64_t ys,
-                      const float *w, float eps, float *sum, int64_t ss, float *out, int64_t os) {
-    #pragma omp parallel for if (rows > 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * xs, *yr = y ? y + r * ys : NULL;
-        float *sr = sum + r * ss, *orow = out + r * os;
-        float acc[16] = {0};
-        for (int i0 = 0; i0 < dim; i0 += 16) {
-            int n = dim - i0 < 16 ? dim - i0 : 16;
-            #pragma omp simd
-            for (int l = 0; l < n; l++) {
-                float v = yr ? xr[i0 + l] + yr[i0 + l] : xr[i0 + l];
-                sr[i0 + l] = v;
-                acc[l] = fmaf(v, v, acc[l]);
-            }
-        }
-        float t8[8], t4[4];
-        for (int l = 0; l < 8; l++) t8[l] = acc[l] + acc[l + 8];
-        for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
-        float inv = 1.0f / sqrtf(((t4[0] + t4[2]) + (t4[1] + t4[3])) / (float)dim + eps);
-        #pragma omp simd
-        for (int i = 0; i < dim; i++) orow[i] = w[i] * (sr[i] * inv);
-    }
-}
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, SAME, SAME, SAME)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, from_bf16, to_bf16, ROUND_BF16)
 
 DEFINE_ROPE_ATTEND(rope_attend_f32, attend_f32, float, SAME, SAME)
 DEFINE_ROPE_ATTEND(rope_attend_bf16, attend_bf16, uint16_t, from_bf16, to_bf16)

@@ -129,7 +129,7 @@ class HeadStep:
         started = time.perf_counter()
         head = steps[0].head
         fused = [st for st in steps if st.fuse]
-        hidden = iter(head.fc(torch.cat([st.part.hidden for st in fused]).to(head.fc.weight.dtype))
+        hidden = iter(head.features(torch.cat([st.part.hidden for st in fused]).to(head.fc.weight.dtype))
                       .split([st.rows for st in fused]) if fused else [])  # [T_i, H] each
         outs = head.decode_packed([replace(st.part, hidden=next(hidden)) if st.fuse else st.part for st in steps])
         rows = [out[st.logits_at if st.part.outputs is None else [st.part.outputs.index(r) for r in st.logits_at]]
@@ -392,4 +392,5 @@ def load_runtime_head(folder: str | Path, target: Target) -> Eagle3Head:
                          f"the runtime gives {want}: set model.aux_layer_ids to match")
     head = head.to(device=target.device, dtype=target.dtype).eval()
     head.steps = target.runs_on().draft_steps(head)  # e.g. replayed from graphs, as the target's calls are
+    head.product = target.runs_on().head_product(head)  # e.g. the batch-invariant kernels' product
     return head

@@ -95,6 +95,11 @@ class Backend(Protocol):
         """Where a draft head's steps run beside this target's calls (None: eagerly)."""
         ...
 
+    def head_product(self, head: nn.Module) -> "Product":
+        """What a draft head's projections run on when its steps run eagerly (``layers.plain``:
+        ``nn.Linear``'s own)."""
+        ...
+
     def key(self) -> str:
         """What a timing of its calls depends on beyond the target, device and host (a measured
         cost curve is cached under it)."""

@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from schemafill.runtime.calls import DraftSteps
-from schemafill.runtime.layers import MLP, RMSNorm, Rotary, apply_rotary, attend
+from schemafill.runtime.calls import DraftSteps, Product
+from schemafill.runtime.layers import MLP, RMSNorm, Rotary, apply_rotary, attend, plain
 from schemafill.runtime.storage import KVArena
 
 AUX_CONVENTION = "hf_hidden_states_index"  # id i = HF hidden_states[i] = the input of decoder layer i
@@ -116,23 +116,23 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(h, c.intermediate_size)
 
     def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            rows: torch.Tensor | None = None):
+            rows: torch.Tensor | None = None, product: Product = plain):
         """Rotated q and k, and v, for new tokens. emb, hidden: [B, T, H]; ``rows`` [R]: the
         rows that query (None: all), every row's keys and values."""
         b, t, _ = emb.shape
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         a = self.self_attn
-        k = a.k_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = a.v_proj(x).view(b, t, -1, self.c.head_dim).transpose(1, 2)
+        k = product(a.k_proj, x).view(b, t, -1, self.c.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = product(a.v_proj, x).view(b, t, -1, self.c.head_dim).transpose(1, 2)
         qx, qcos, qsin = (x, cos, sin) if rows is None else (x[:, rows], cos[:, rows], sin[:, rows])
-        q = a.q_proj(qx).view(b, qx.shape[1], -1, self.c.head_dim).transpose(1, 2)  # [B, Hq, R, hd]
+        q = product(a.q_proj, qx).view(b, qx.shape[1], -1, self.c.head_dim).transpose(1, 2)  # [B, Hq, R, hd]
         return apply_rotary(q, qcos, qsin), apply_rotary(k, cos, sin), v
 
-    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor, product: Product = plain) -> torch.Tensor:
         """Output projection, residual on the hidden input, MLP. attn: [B, Hq, T, hd]."""
         b, _, t, _ = attn.shape
-        h = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = hidden + product(self.self_attn.o_proj, attn.transpose(1, 2).reshape(b, t, -1))
+        return h + self.mlp(self.post_attention_layernorm(h), product)
 
 
 class Eagle3Head(nn.Module):
@@ -152,8 +152,10 @@ class Eagle3Head(nn.Module):
         # the embeddings are the target's: never saved (checkpoints, exports), kept on load
         self.register_state_dict_post_hook(_drop_embeddings)
         self.register_load_state_dict_pre_hook(_keep_embeddings)
-        # where its draft steps run when not eagerly: the target's backend says (CUDA graphs)
+        # where its draft steps run when not eagerly, and what its projections run on when they
+        # do: the target's backend says (CUDA graphs; the batch-invariant kernels' product)
         self.steps: DraftSteps | None = None
+        self.product: Product = plain
 
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
         """Install the draft vocabulary (target ids, in draft-id order)."""
@@ -165,8 +167,12 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self) -> torch.Tensor:  # [Vd] target id of each draft id
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
+    def features(self, aux: torch.Tensor) -> torch.Tensor:  # [.., 3·Ht] -> [.., H]
+        """The step-0 hidden input from the target's features at a committed position."""
+        return self.product(self.fc, aux)
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [.., H] -> [.., Vd]
-        return self.lm_head(self.norm(out))
+        return self.product(self.lm_head, self.norm(out))
 
     def new_arena(self, capacity: int) -> KVArena:
         """KV for one request's drafting (the head's single layer)."""
@@ -241,8 +247,8 @@ class Eagle3Head(nn.Module):
         is the target's features), so a catch-up over a prompt costs its rows' K and V alone."""
         dtype = hidden.dtype
         cos, sin = self.rotary(positions, dtype)
-        q, k, v = self.midlayer.qkv(self.embed_tokens(input_ids).to(dtype), hidden, cos, sin, rows)
-        return self.midlayer.finish(hidden if rows is None else hidden[:, rows], attention(q, k, v))
+        q, k, v = self.midlayer.qkv(self.embed_tokens(input_ids).to(dtype), hidden, cos, sin, rows, self.product)
+        return self.midlayer.finish(hidden if rows is None else hidden[:, rows], attention(q, k, v), self.product)
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor,
                 horizons: int, start: int = 0) -> list[torch.Tensor]:

@@ -339,3 +339,30 @@ def test_a_write_past_the_arena_is_refused_not_made(dtype):
     with pytest.raises(ValueError, match="arena holds 6"):
         invariant.forward(torch.zeros(1, 4, dtype=torch.long), pos, causal_visibility(pos, 4), pos + 3,
                       invariant.new_arena(2, 6))
+
+
+@pytest.mark.parametrize("dtype", OWN_PRODUCTS)
+def test_a_draft_head_beside_a_batch_invariant_target_runs_on_the_kernels_product(dtype):
+    """The head's projections (fc, its layer, its LM head) on the kernels' product: the same
+    drafts as ``nn.Linear``'s to rounding, every projection packed."""
+    from schemafill.runtime.layers import plain
+    from tests.decoders.test_decoders import random_head
+
+    model = hf_model("llama", seed=4)
+    target = from_hf_model(model.to(dtype), aux_layer_ids=[1, 2, 3], backend="batch_invariant")
+    target.hf_config = model.config
+    head = random_head(target, seed=2).to(dtype)
+    product = target.runs_on().head_product(head)
+    assert isinstance(product, Blocked)
+    assert set(product.weights) == {m for m in head.modules() if isinstance(m, torch.nn.Linear)}
+    aux = torch.randn(5, 3 * model.config.hidden_size).to(dtype)
+    runs = []
+    for chosen in (plain, product):
+        head.product = chosen
+        hidden = head.features(aux)[None]  # [1, 5, H]
+        pos = torch.arange(5)[None]
+        out = head.decode_step(torch.arange(5)[None], hidden, pos, causal_visibility(pos, 5), pos, head.new_arena(5))
+        runs.append(head.logits(out).float())
+    tolerance = {"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(runs[1], runs[0], **tolerance)
+    assert not torch.equal(runs[0], torch.zeros_like(runs[0]))

@@ -36,8 +36,8 @@ from torch import nn
 from schemafill.runtime import host, host_cache, products
 from schemafill.runtime import probing
 from schemafill.runtime.backends.eager import Eager, PartsAttention, RowsAttention
-from schemafill.runtime.calls import Forward, Part
-from schemafill.runtime.layers import apply_rotary_rolled, rms_norm, signed_sin
+from schemafill.runtime.calls import Forward, Part, Product
+from schemafill.runtime.layers import apply_rotary_rolled, plain, rms_norm, signed_sin
 from schemafill.runtime.model import DecoderLayer, Target, split_heads
 from schemafill.runtime.storage import KVArena
 
@@ -183,6 +183,9 @@ class Compiled:
 
     def draft_steps(self, head: nn.Module) -> None:
         return None  # a head drafts eagerly beside it
+
+    def head_product(self, head: nn.Module) -> Product:
+        return plain  # the head drafts eagerly beside it, on nn.Linear's own products
 
     def key(self) -> str:
         return f"{self.eager.key()}|compiled:{self.rows}:{self.kernel}"

@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 
 from schemafill.runtime.backends.eager import Eager
-from schemafill.runtime.calls import DraftSteps, Forward, Part
+from schemafill.runtime.calls import DraftSteps, Forward, Part, Product
 from schemafill.runtime.drafter import Eagle3Head
-from schemafill.runtime.layers import apply_rotary_rolled, attend, mask_bias
+from schemafill.runtime.layers import apply_rotary_rolled, attend, mask_bias, plain
 from schemafill.runtime.model import Target
 from schemafill.runtime.storage import ArenaPool, KVArena, width_bucket
 
@@ -267,6 +267,9 @@ class CudaGraphs:
     def draft_steps(self, head: Eagle3Head) -> DraftSteps:
         """The head's draft steps graphed as the target's calls are."""
         return HeadGraphs(head, self.capture)
+
+    def head_product(self, head: Eagle3Head) -> Product:
+        return plain  # steps the graphs do not cover run eagerly, on nn.Linear's own products
 
     def key(self) -> str:
         return "graphs" if self.capture else "graphs-eager"

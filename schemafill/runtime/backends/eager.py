@@ -144,6 +144,9 @@ class Eager:
     def draft_steps(self, head: nn.Module) -> None:
         return None  # a head drafts eagerly beside it
 
+    def head_product(self, head: nn.Module) -> Product:
+        return plain  # the head's projections are small: nn.Linear's own
+
     def key(self) -> str:
         plan = "" if self.products is None else self.products.describe()
         return f"{plan}|fold{int(self.fold)}"

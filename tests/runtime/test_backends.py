@@ -147,9 +147,10 @@ def test_auto_takes_fp32_batch_invariant_forwards_where_a_cached_probe_finds_the
         again = choose()
         assert again.name == expected and len(built) - before == builds
         assert "(cached)" in again.summary()["why"]
-    # ``auto`` asks it for an fp32 target that decodes (the entry above says eager)
-    target = from_hf_model(model, backend="eager")
-    assert backends.attach(target, "auto", decodes=True).backend.summary()["why"].startswith("auto: timed probe (cached)")
+    # ``auto`` asks it for an fp32 target that decodes
+    entry.write_text(json.dumps({**saved, "invariant_ms": 0.5 * saved["other_ms"]}))
+    attached = backends.attach(from_hf_model(model, backend="eager"), "auto", decodes=True).backend
+    assert attached.name == "batch_invariant" and attached.summary()["why"].startswith("auto: timed probe (cached)")
 
 
 def test_compiled_calls_reach_as_many_rows_as_whole_calls_measured_faster():

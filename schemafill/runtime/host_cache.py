@@ -2,13 +2,18 @@
 cost curve each keep one JSON file per key (what the timings depend on: host, shape, build), so
 a launch reads what an earlier one timed instead of timing again. An entry is used only when
 its stored key is this one; a missing, damaged or foreign entry reads as nothing (measured
-again), and a cache that cannot be written is said, never fatal."""
+again), and a cache that cannot be written is said, never fatal. A probe that times while
+another process probes the same entry would time both under contention, so ``measuring``
+lets one measure while the others wait, then read what it wrote."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +45,22 @@ def write(path: Path, key: str, payload: dict[str, Any], what: str) -> None:
         atomic.write_json(path, {**payload, "key": key})
     except OSError as err:
         print(f"[cache] could not cache {what} at {path}: {err}")
+
+
+@contextlib.contextmanager
+def measuring(path: Path) -> Iterator[None]:
+    """Hold the entry at ``path`` for measuring: another process measuring it waits here until
+    this one is done (then reads the entry instead of timing beside it). Without a writable
+    cache folder there is nothing to share, and nothing is held."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -145,7 +145,7 @@ class Eager:
         return None  # a head drafts eagerly beside it
 
     def head_product(self, head: nn.Module) -> Product:
-        return plain  # the head's projections are small: nn.Linear's own
+        return plain  # the head drafts as it always has, on nn.Linear's own products
 
     def key(self) -> str:
         plan = "" if self.products is None else self.products.describe()

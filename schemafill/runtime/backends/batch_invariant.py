@@ -269,21 +269,17 @@ def choose(target: Target, other: Callable[[str], Backend], cache_dir=None) -> B
     key = "|".join([f"{c.family}-L{c.num_layers}-H{c.hidden_size}-I{c.intermediate_size}-V{c.vocab_size}",
                     str(target.dtype), invariant.key(), f"rows{PROBE_ROWS}", *host.timing_key()])
     path = host_cache.entry(cache_dir or host_cache.folder("backends"), key)
-    fields = {"invariant_ms", "other_ms", "other"}
-    saved = host_cache.read(path, key)
-    cached = saved is not None and fields <= set(saved)
     fallback = None
-    if not cached:
-        with host_cache.measuring(path):  # another launch probing now: wait, then read what it measured
-            saved = host_cache.read(path, key)
-            cached = saved is not None and fields <= set(saved)
-            if not cached:
-                fallback = other("auto: timed against the batch-invariant backend")
-                start = time.perf_counter()
-                invariant_ms, other_ms = probing.decode_ms(target, [invariant, fallback], PROBE_ROWS)
-                saved = {"invariant_ms": round(invariant_ms, 3), "other_ms": round(other_ms, 3),
-                         "other": fallback.name, "probe_s": round(time.perf_counter() - start, 1)}
-                host_cache.write(path, key, saved, "the batch-invariant probe")
+    with host_cache.measuring(path):  # another launch probing now: wait, then read what it measured
+        saved = host_cache.read(path, key)
+        cached = saved is not None and {"invariant_ms", "other_ms", "other"} <= set(saved)
+        if not cached:
+            fallback = other("auto: timed against the batch-invariant backend")
+            start = time.perf_counter()
+            invariant_ms, other_ms = probing.decode_ms(target, [invariant, fallback], PROBE_ROWS)
+            saved = {"invariant_ms": round(invariant_ms, 3), "other_ms": round(other_ms, 3),
+                     "other": fallback.name, "probe_s": round(time.perf_counter() - start, 1)}
+            host_cache.write(path, key, saved, "the batch-invariant probe")
     calls = " + ".join(f"c({r})" for r in PROBE_ROWS)
     measured = (f"timed probe{' (cached)' if cached else ''}: {calls} batch-invariant {saved['invariant_ms']:.1f} ms, "
                 f"{saved['other']} {saved['other_ms']:.1f} ms")
